@@ -1,0 +1,99 @@
+"""The DFlash block-diffusion drafter (z-lab checkpoint layout), on the decoder's layer code.
+
+The drafter has no embedding and no LM head: its inputs are the target's token embeddings of
+`[last committed token, MASK x (B - 1)]` and its outputs go through the target's `lm_head`.
+Context comes from the target's tapped hidden states, projected by `fc` + `hidden_norm`; every
+layer turns that context into K/V with its own `k_proj`/`v_proj` and caches them, so each step
+only injects the newly committed positions. Attention is non-causal: a block sees all cached
+context and all of itself. Block K/V never enter the cache.
+
+Mask token: by default the target's embedding of `mask_token_id`. A checkpoint may instead carry a
+learned `mask_embedding` `(H,)` tensor (for targets whose vocabulary has no spare id); when it is
+present it replaces that lookup. z-lab checkpoints have no such tensor and load unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockpilot.models.config import DrafterConfig
+from blockpilot.models.decoder import KVCache
+from blockpilot.models.layers import MLP, Attention, RMSNorm, RotaryTable, write_cache
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, drafter: DrafterConfig):
+        super().__init__()
+        config = drafter.layers
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, context, ctx_rope, block_rope, ctx_positions, k_cache, v_cache, kv_len):
+        """`x` `(B, T, H)` block; `context` `(B, n, H)` new context written at `ctx_positions`."""
+        attn = self.self_attn
+        k_ctx, v_ctx = attn.key_value(context, *ctx_rope)
+        k_ctx = write_cache(k_cache, ctx_positions, k_ctx)[:, :, :kv_len]
+        v_ctx = write_cache(v_cache, ctx_positions, v_ctx)[:, :, :kv_len]
+        h = self.input_layernorm(x)
+        k_blk, v_blk = attn.key_value(h, *block_rope)
+        k = torch.cat((k_ctx, k_blk), dim=2)  # (B, nkv, kv_len + T, hd)
+        v = torch.cat((v_ctx, v_blk), dim=2)
+        x = x + attn.attend(attn.query(h, *block_rope), k, v, None)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names equal the z-lab checkpoint's (`fc.weight`, `layers.{i}...`, `norm.weight`)."""
+
+    def __init__(self, config: DrafterConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        c = config.layers
+        self.fc = nn.Linear(len(config.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mask_embedding: nn.Parameter | None = None
+        self.rope = RotaryTable(c, max_positions or c.max_position_embeddings)
+
+    def set_mask_embedding(self, value: torch.Tensor | None) -> None:
+        self.mask_embedding = None if value is None else nn.Parameter(value.clone())
+
+    def block_embeddings(self, first_token_embed: torch.Tensor, mask_embed: torch.Tensor, block_size: int):
+        """`(B, block_size, H)`: the last committed token's embedding, then the mask embedding."""
+        if self.mask_embedding is not None:
+            mask_embed = self.mask_embedding.to(first_token_embed.dtype)
+        b, _, h = first_token_embed.shape
+        masks = mask_embed.reshape(1, 1, h).expand(b, block_size - 1, h)
+        return torch.cat((first_token_embed, masks), dim=1)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        target_taps: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        cache: KVCache,
+        kv_len: int,
+    ) -> torch.Tensor:
+        """Draft hidden states `(B, T, H)` (after the final norm) for a block.
+
+        Args:
+            block_embeds: `(B, T, H)` target embeddings of the block tokens.
+            block_positions: `(T,)` absolute positions of the block.
+            target_taps: `(B, n, taps * H)` target hidden states of newly committed positions
+                (n may be 0 when nothing new was committed).
+            ctx_positions: `(n,)` their absolute positions; their K/V are written into `cache`.
+            cache: the drafter's context cache.
+            kv_len: number of cached context positions to attend over, new ones included.
+        """
+        context = self.hidden_norm(self.fc(target_taps))
+        ctx_rope = self.rope(ctx_positions, block_embeds.dtype)
+        block_rope = self.rope(block_positions, block_embeds.dtype)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, context, ctx_rope, block_rope, ctx_positions, cache.k[i], cache.v[i], kv_len)
+        return self.norm(x)

@@ -1,0 +1,67 @@
+"""Tiny fixture models built in the test process: random HF targets and matching drafters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from blockpilot.models.checkpoint import save_drafter
+from blockpilot.models.config import DecoderConfig, DrafterConfig, default_target_layer_ids
+from blockpilot.models.dflash import DFlashDrafter
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+
+def hf_tiny_config(family: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    kwargs = dict(TINY, **overrides)
+    if family == "llama":
+        kwargs.setdefault("tie_word_embeddings", False)
+    return cls(**kwargs)
+
+
+def make_hf_target(tmp: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a random transformers model of `family` to `tmp/target-{family}` and return the dir."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_tiny_config(family, **overrides))
+    with torch.no_grad():  # larger logits spread so greedy choices are not near-ties
+        model.lm_head.weight.mul_(8.0)
+    out = tmp / f"target-{family}-{seed}"
+    model.save_pretrained(out)
+    return out
+
+
+def make_drafter(tmp: Path, target_dir: Path, block_size: int = 8, layers: int = 1, seed: int = 1,
+                 mask_token_id: int = 3, name: str = "drafter") -> Path:
+    """A random drafter whose shape fits the target saved at `target_dir`."""
+    import json
+
+    target = DecoderConfig.from_dict(json.loads((target_dir / "config.json").read_text()))
+    config = DrafterConfig(
+        layers=DecoderConfig(**{**target.__dict__, "family": "qwen3", "qk_norm": True,
+                                "num_hidden_layers": layers, "tie_word_embeddings": False,
+                                "attention_bias": False}),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=default_target_layer_ids(target.num_hidden_layers, 2),
+        num_target_layers=target.num_hidden_layers,
+    )
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    return save_drafter(drafter, tmp / name)
