@@ -165,3 +165,26 @@ def read_config_json(model_dir: Path) -> dict:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not valid JSON ({exc}); restore the file") from None
+
+
+def check_drafter_fits_target(target: DecoderConfig, drafter: DrafterConfig, where: str = "drafter") -> None:
+    """Raise `UserError` naming the first field on which `drafter` does not fit `target`."""
+    d = drafter.layers
+    problems = []
+    if d.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {d.hidden_size} != target's {target.hidden_size}")
+    if drafter.num_target_layers and drafter.num_target_layers != target.num_hidden_layers:
+        problems.append(
+            f"num_target_layers {drafter.num_target_layers} != target's {target.num_hidden_layers} layers"
+        )
+    if d.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {d.vocab_size} != target's {target.vocab_size}")
+    bad_taps = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad_taps:
+        problems.append(f"target_layer_ids {bad_taps} out of range for {target.num_hidden_layers} target layers")
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {drafter.mask_token_id} out of range for vocab size {target.vocab_size}")
+    if drafter.block_size < 1:
+        problems.append(f"block_size {drafter.block_size} < 1")
+    if problems:
+        raise UserError(f"{where} does not fit the target: {problems[0]}; use a drafter trained for this target")

@@ -1,0 +1,131 @@
+"""The one interface the decode loop talks to, and its torch implementation.
+
+A backend runs the target and the drafter; the decode loop (`runner.py`) never branches on which
+backend it has. Per-request state (the two KV caches) is created by `new_state` and passed to every
+call. Rolling back rejected tokens needs no call at all: the loop passes smaller positions next
+time, and stale cache entries beyond them are overwritten or never attended to.
+
+Shapes: `B` batch, `P` prompt length, `K` block size, `V` vocabulary, `H` hidden size,
+`tH` = number of tapped layers x H.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from blockpilot.models.config import DecoderConfig, DrafterConfig
+from blockpilot.models.decoder import Decoder, KVCache
+from blockpilot.models.dflash import DFlashDrafter
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """Caches of one request (or one batch), owned by the decode loop."""
+
+    target_cache: Any
+    drafter_cache: Any
+    capacity: int
+
+
+@dataclasses.dataclass
+class PrefillOutput:
+    last_logits: torch.Tensor  # (B, V) logits at the last prompt position
+    taps: torch.Tensor  # (B, P, tH) tapped target hidden states, drafter context
+    hidden: torch.Tensor  # (B, P, H) final-layer hidden states, predictor features
+
+
+@dataclasses.dataclass
+class VerifyOutput:
+    logits: torch.Tensor  # (B, K, V)
+    taps: torch.Tensor  # (B, K, tH)
+
+
+class Backend(Protocol):
+    name: str
+    target_config: DecoderConfig
+    drafter_config: DrafterConfig | None
+    max_capacity: int  # largest cache a request may use (positions)
+
+    def supports_block_size(self, block_size: int) -> bool: ...
+
+    def new_state(self, batch: int, capacity: int) -> DecodeState: ...
+
+    def prefill(self, state: DecodeState, input_ids: torch.Tensor) -> PrefillOutput: ...
+
+    def draft(
+        self, state: DecodeState, last_tokens: torch.Tensor, new_taps: torch.Tensor,
+        ctx_start: int, block_start: int, block_size: int,
+    ) -> torch.Tensor:
+        """Greedy draft tokens `(B, K - 1)` for block positions 1..K-1.
+
+        `new_taps` `(B, n, tH)` are the target hidden states of positions `ctx_start..ctx_start+n-1`,
+        committed since the last call; `last_tokens` `(B,)` sits at `block_start`."""
+        ...
+
+    def verify(self, state: DecodeState, block_ids: torch.Tensor, start: int) -> VerifyOutput: ...
+
+
+class TorchBackend:
+    """Runs `models/` directly (CPU or CUDA): the reference backend."""
+
+    name = "torch"
+
+    def __init__(self, target: Decoder, drafter: DFlashDrafter | None, max_block_size: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.target_config = target.config
+        self.drafter_config = drafter.config if drafter is not None else None
+        self.tap_layers = self.drafter_config.target_layer_ids if drafter is not None else ()
+        self.max_block_size = max_block_size or (2 * self.drafter_config.block_size if drafter else 1)
+        self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30)
+        self.device = target.embed_tokens.weight.device
+        self.dtype = target.embed_tokens.weight.dtype
+
+    def supports_block_size(self, block_size: int) -> bool:
+        return 1 <= block_size <= self.max_block_size
+
+    def new_state(self, batch: int, capacity: int) -> DecodeState:
+        target_cache = KVCache.allocate(self.target_config, batch, capacity, self.dtype, self.device)
+        drafter_cache = (
+            KVCache.allocate(self.drafter_config.layers, batch, capacity, self.dtype, self.device)
+            if self.drafter is not None else None
+        )
+        return DecodeState(target_cache, drafter_cache, capacity)
+
+    @torch.inference_mode()
+    def prefill(self, state: DecodeState, input_ids: torch.Tensor) -> PrefillOutput:
+        t = self.target
+        n = input_ids.shape[1]
+        out = t(t.embed_tokens(input_ids), torch.arange(n, device=self.device), state.target_cache, n,
+                self.tap_layers)
+        taps = out.taps if out.taps is not None else out.hidden[:, :, :0]
+        return PrefillOutput(last_logits=t.lm_head(out.hidden[:, -1]), taps=taps, hidden=out.hidden)
+
+    @torch.inference_mode()
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
+        t, d = self.target, self.drafter
+        n = new_taps.shape[1]
+        block = d.block_embeddings(
+            t.embed_tokens(last_tokens[:, None]), t.embed_tokens.weight[d.config.mask_token_id], block_size
+        )
+        hidden = d(
+            block,
+            torch.arange(block_start, block_start + block_size, device=self.device),
+            new_taps,
+            torch.arange(ctx_start, ctx_start + n, device=self.device),
+            state.drafter_cache,
+            kv_len=ctx_start + n,
+        )
+        return t.lm_head(hidden[:, 1:]).argmax(-1)
+
+    @torch.inference_mode()
+    def verify(self, state, block_ids, start):
+        t = self.target
+        k = block_ids.shape[1]
+        positions = torch.arange(start, start + k, device=self.device)
+        out = t(t.embed_tokens(block_ids), positions, state.target_cache, start + k, self.tap_layers)
+        taps = out.taps if out.taps is not None else out.hidden[:, :, :0]
+        return VerifyOutput(logits=t.lm_head(out.hidden), taps=taps)

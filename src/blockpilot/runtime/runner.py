@@ -1,0 +1,292 @@
+"""`Runner`: speculative generation with a TensorRT-LLM-shaped `generate`.
+
+The decode loop is the same for every backend and every block size; block size 1 is plain
+autoregressive decoding (no drafting, one-token verify steps). Per request:
+
+    prefill -> first token -> [choose block size] -> repeat {draft K-1 tokens, verify K tokens,
+    accept the longest matching prefix + 1 bonus token} until max_new_tokens or end_id.
+
+The loop records counts and step boundaries through `clock` (wall time by default; profiling can
+pass a clock that synchronizes the GPU first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from blockpilot.errors import UserError
+from blockpilot.runtime.backend import Backend, DecodeState
+from blockpilot.runtime.sampling import SamplingParams, accepted_draft_counts, committed_tokens, sample_tokens
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """One request's outcome. Times are seconds measured by the runner's clock."""
+
+    input_ids: list[int]
+    output_tokens: list[int] = dataclasses.field(default_factory=list)
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens committed per verify step
+    block_size: int = 1
+    block_size_prob: float | None = None  # predictor's probability of the chosen size (auto only)
+    predictor_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    finished: bool = False  # ended by end_id
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (tokens committed per target verify step)."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.draft_s + self.verify_s
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    requests: list[RequestResult]
+    max_new_tokens: int
+    pad_value: int
+
+    def output_ids(self) -> torch.Tensor:
+        """`(batch, 1, max_input_len + max_new_tokens)` int32: prompt + output, padded."""
+        width = max(len(r.input_ids) for r in self.requests) + self.max_new_tokens
+        out = torch.full((len(self.requests), 1, width), self.pad_value, dtype=torch.int32)
+        for i, r in enumerate(self.requests):
+            seq = r.input_ids + r.output_tokens
+            out[i, 0, : len(seq)] = torch.tensor(seq, dtype=torch.int32)
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "output_ids": self.output_ids(),
+            "sequence_lengths": torch.tensor(
+                [[len(r.input_ids) + len(r.output_tokens)] for r in self.requests], dtype=torch.int32
+            ),
+            "accept_lengths": [r.accept_lengths for r in self.requests],
+            "tau": [r.tau for r in self.requests],
+            "block_sizes": [r.block_size for r in self.requests],
+            "block_size_probs": [r.block_size_prob for r in self.requests],
+            "timings": [
+                {"prefill_s": r.prefill_s, "predictor_s": r.predictor_s, "draft_s": r.draft_s,
+                 "verify_s": r.verify_s}
+                for r in self.requests
+            ],
+        }
+
+
+class Runner:
+    """Generation over a backend. Build it with `Runner.from_dir`.
+
+    Args:
+        backend: runs the target and the drafter.
+        policy: chooses a block size from prefill output (`block_size="auto"`); optional.
+        default_block_size: block size when neither the caller nor a policy chooses one.
+        clock: returns seconds; the loop reads it at step boundaries only.
+    """
+
+    def __init__(self, backend: Backend, *, policy=None, default_block_size: int | None = None,
+                 end_id: int | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.backend = backend
+        self.policy = policy
+        dc = backend.drafter_config
+        self.default_block_size = default_block_size or (dc.block_size if dc is not None else 1)
+        self.end_id = end_id
+        self.clock = clock
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, *, drafter_dir: str | Path | None = None,
+                 backend: str = "torch", device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 max_block_size: int | None = None) -> "Runner":
+        """Load a target (Hugging Face directory) and a DFlash drafter directory.
+
+        Without `drafter_dir` the runner can only decode autoregressively (block size 1).
+        """
+        from blockpilot.models.checkpoint import load_drafter, load_target
+        from blockpilot.models.config import check_drafter_fits_target
+        from blockpilot.runtime.backend import TorchBackend
+
+        if backend != "torch":
+            raise UserError(f"backend {backend!r} needs an engine directory (blockpilot build); use backend='torch'")
+        target = load_target(model_dir, dtype=dtype).to(device)
+        drafter = None
+        if drafter_dir is not None:
+            drafter = load_drafter(drafter_dir, dtype=dtype).to(device)
+            check_drafter_fits_target(target.config, drafter.config, where=f"drafter {drafter_dir}")
+        return cls(TorchBackend(target, drafter, max_block_size), end_id=_read_eos_id(Path(model_dir)))
+
+    # ---------------------------------------------------------------- public API
+
+    def generate(self, batch_input_ids: list[torch.Tensor], *, max_new_tokens: int,
+                 end_id: int | None = None, pad_id: int | None = None, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, random_seed: int | None = None,
+                 block_size: int | str | None = None, streaming: bool = False,
+                 return_dict: bool = False):
+        """Generate for each prompt of `batch_input_ids` (1-D int tensors).
+
+        Returns `output_ids` `(batch, 1, max_input_len + max_new_tokens)` int32 (prompt followed by
+        generated tokens, padded with `end_id`, else `pad_id`, else 0), or with `return_dict=True`
+        a dict adding `sequence_lengths`, `accept_lengths` (per request, per step), `tau`,
+        `block_sizes`, `block_size_probs` and `timings`. With `streaming=True` returns an iterator
+        that yields the same type after every committed step. Requests run one after another.
+        `block_size`: an int, "auto" (predictor), or None (auto when a predictor is loaded, else
+        the drafter's training block size).
+        """
+        try:
+            params = SamplingParams(temperature, top_k, top_p)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        end_id = self.end_id if end_id is None else end_id
+        prompts = self._check_inputs(batch_input_ids, max_new_tokens, block_size)
+        pad = end_id if end_id is not None else (pad_id if pad_id is not None else 0)
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(random_seed if random_seed is not None else torch.seed() & (2**63 - 1))
+        steps = self._run_batch(prompts, max_new_tokens, end_id, params, generator, block_size, pad)
+        convert = (lambda g: g.to_dict()) if return_dict else (lambda g: g.output_ids())
+        if streaming:
+            return (convert(g) for g in steps)
+        result = None
+        for result in steps:
+            pass
+        return convert(result)
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_inputs(self, batch_input_ids, max_new_tokens, block_size) -> list[list[int]]:
+        if not batch_input_ids:
+            raise UserError("batch_input_ids is empty; pass at least one prompt")
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+        prompts = [torch.as_tensor(ids).reshape(-1).tolist() for ids in batch_input_ids]
+        vocab = self.backend.target_config.vocab_size
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise UserError(f"prompt {i} is empty; give at least one token")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise UserError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+        largest = self._largest_block(block_size)
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens + largest > self.backend.max_capacity:
+            raise UserError(
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + block ({largest}) "
+                f"exceeds the cache capacity ({self.backend.max_capacity} positions); shorten the "
+                "prompt or lower max_new_tokens"
+            )
+        return prompts
+
+    def _largest_block(self, block_size) -> int:
+        if block_size is None or block_size == "auto":
+            candidates = self.policy.candidates if self.policy is not None else ()
+            return max((self.default_block_size, *candidates))
+        if isinstance(block_size, str) or not isinstance(block_size, int):
+            raise UserError(f"block size {block_size!r} is not an integer or 'auto'")
+        if block_size > 1 and self.backend.drafter_config is None:
+            raise UserError(f"block size {block_size} needs a drafter; pass one or use block size 1")
+        if not self.backend.supports_block_size(block_size):
+            raise UserError(
+                f"block size {block_size} is not supported by this {self.backend.name} backend; "
+                f"choose one it supports (e.g. {self.default_block_size})"
+            )
+        return block_size
+
+    # ---------------------------------------------------------------- the loop
+
+    def _run_batch(self, prompts, max_new_tokens, end_id, params, generator, block_size, pad):
+        requests: list[RequestResult] = []
+        for ids in prompts:
+            request = RequestResult(input_ids=ids)
+            requests.append(request)
+            for _ in self._decode(request, max_new_tokens, end_id, params, generator, block_size):
+                yield GenerationResult(requests + [RequestResult(p) for p in prompts[len(requests):]],
+                                       max_new_tokens, pad)
+
+    def _choose_block_size(self, request: RequestResult, block_size, prefill) -> int:
+        if isinstance(block_size, int):
+            return block_size
+        if self.policy is None:
+            if block_size == "auto":
+                raise UserError("block_size='auto' needs a predictor; load one or pass a block size")
+            return self.default_block_size
+        start = self.clock()
+        choice = self.policy.select(prefill.hidden, prefill.last_logits)
+        request.predictor_s = self.clock() - start
+        request.block_size_prob = choice.probability
+        return choice.block_size
+
+    def _decode(self, request: RequestResult, max_new_tokens: int, end_id: int | None,
+                params: SamplingParams, generator: torch.Generator, block_size) -> Iterator[None]:
+        """Decode one request into `request`, yielding after every committed step."""
+        be, clock = self.backend, self.clock
+        n_prompt = len(request.input_ids)
+        t0 = clock()
+        state_capacity = n_prompt + max_new_tokens + self._largest_block(block_size)
+        state: DecodeState = be.new_state(1, state_capacity)
+        prefill = be.prefill(state, torch.tensor([request.input_ids], device=_device_of(be)))
+        last = sample_tokens(prefill.last_logits, params, generator)  # (1,)
+        request.prefill_s = clock() - t0
+        request.block_size = k = self._choose_block_size(request, block_size, prefill)
+        if self._commit(request, [int(last)], max_new_tokens, end_id):
+            yield
+            return
+        yield
+        pending_taps, ctx_start, pos = prefill.taps, 0, n_prompt
+        while True:
+            t0 = clock()
+            if k > 1:
+                draft = be.draft(state, last, pending_taps, ctx_start, pos, k)  # (1, k-1)
+                ctx_start += pending_taps.shape[1]
+            else:
+                draft = last.new_zeros((1, 0))
+            t1 = clock()
+            verify = be.verify(state, torch.cat((last[:, None], draft), dim=1), pos)
+            posterior = sample_tokens(verify.logits, params, generator)  # (1, k)
+            accepted = accepted_draft_counts(draft, posterior)  # (1,)
+            a = int(accepted[0])
+            tokens = committed_tokens(draft, posterior, accepted)[0, : a + 1].tolist()
+            request.draft_s += t1 - t0
+            request.verify_s += clock() - t1
+            request.accept_lengths.append(a + 1)
+            done = self._commit(request, tokens, max_new_tokens, end_id)
+            yield
+            if done:
+                return
+            pending_taps = verify.taps[:, : a + 1]
+            pos += a + 1
+            last = posterior[:, a]
+
+    @staticmethod
+    def _commit(request: RequestResult, tokens: list[int], max_new_tokens: int, end_id) -> bool:
+        """Append `tokens`, cut at `end_id` or the token budget; True when the request is done."""
+        room = max_new_tokens - len(request.output_tokens)
+        if end_id is not None and end_id in tokens[:room]:
+            request.output_tokens += tokens[: tokens.index(end_id) + 1]
+            request.finished = True
+            return True
+        request.output_tokens += tokens[:room]
+        return len(request.output_tokens) >= max_new_tokens
+
+
+def _device_of(backend) -> str:
+    return getattr(backend, "device", "cpu")
+
+
+def _read_eos_id(model_dir: Path) -> int | None:
+    """The end-of-sequence id from `generation_config.json` or `config.json`, if any."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+            if eos is not None:
+                return int(eos)
+    return None
