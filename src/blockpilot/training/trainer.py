@@ -1,0 +1,190 @@
+"""The drafter training loop: AdamW, warm-up + cosine schedule, time budget, resumable checkpoints.
+
+The schedule is fitted to the time budget: after a few steps the measured step rate fixes the total
+number of steps, so the cosine reaches zero when the budget ends. A checkpoint (drafter weights in
+safetensors + optimizer state loadable with `weights_only=True`) is written every few minutes into
+the work directory; `resume=True` continues from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from blockpilot.errors import UserError
+from blockpilot.models.checkpoint import load_drafter, save_drafter
+from blockpilot.models.decoder import Decoder
+from blockpilot.models.dflash import DFlashDrafter
+from blockpilot.training.data import Sequence
+from blockpilot.training.objective import Batch, drafter_loss, sample_anchors, simulated_tau
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    time_budget_s: float
+    max_steps: int = 1_000_000
+    sequences_per_step: int = 8
+    anchors_per_sequence: int = 16
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    clip: float = 1.0
+    gamma: float = 7.0
+    eval_every_s: float = 300.0
+    checkpoint_every_s: float = 600.0
+    autocast: bool = True
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class TrainData:
+    train: list[tuple[Sequence, torch.Tensor]]
+    valid: list[tuple[Sequence, torch.Tensor]]
+
+
+def make_batch(items: list[tuple[Sequence, torch.Tensor]], anchors: int, generator: torch.Generator) -> Batch:
+    """Right-pad `items` (sequence, taps) and draw `anchors` anchors in each answer."""
+    width = max(len(s.ids) for s, _ in items)
+    ids = torch.zeros(len(items), width, dtype=torch.long)
+    taps = torch.zeros(len(items), width, items[0][1].shape[-1], dtype=items[0][1].dtype)
+    anchor_pos = torch.zeros(len(items), anchors, dtype=torch.long)
+    valid = torch.zeros(len(items), anchors, dtype=torch.bool)
+    for row, (seq, tap) in enumerate(items):
+        ids[row, : len(seq.ids)] = torch.tensor(seq.ids)
+        taps[row, : len(seq.ids)] = tap
+        drawn = sample_anchors(seq.answer_start, len(seq.ids), anchors, generator)
+        anchor_pos[row, : len(drawn)] = drawn
+        valid[row, : len(drawn)] = True
+    lengths = torch.tensor([len(s.ids) for s, _ in items])
+    return Batch(ids, taps, lengths, anchor_pos, valid)
+
+
+def lr_factor(step: int, total: int, warmup_frac: float) -> float:
+    warmup = max(1, int(total * warmup_frac))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def evaluate(drafter: DFlashDrafter, target: Decoder, data: list[tuple[Sequence, torch.Tensor]],
+             config: TrainConfig) -> dict:
+    """Simulated tau and slot-1 accuracy on validation sequences (fixed anchors)."""
+    generator = torch.Generator().manual_seed(1234)
+    correct, valid = [], []
+    for start in range(0, len(data), config.sequences_per_step):
+        batch = make_batch(data[start:start + config.sequences_per_step], 32, generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast):
+            _, stats = drafter_loss(drafter, target.embed_tokens.weight, target.lm_head.weight, batch, config.gamma)
+        correct.append(stats["correct"])
+        valid.append(stats["valid"])
+    c, v = torch.cat(correct), torch.cat(valid)
+    return {"sim_tau": simulated_tau(c, v), "slot1_acc": float(c[:, 0][v[:, 0]].float().mean())}
+
+
+class Trainer:
+    def __init__(self, drafter: DFlashDrafter, target: Decoder, data: TrainData, config: TrainConfig,
+                 work_dir: Path):
+        self.drafter, self.target, self.data, self.config = drafter, target, data, config
+        self.work_dir = work_dir
+        for p in target.parameters():
+            p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        self.step, self.total_steps, self.elapsed = 0, config.max_steps, 0.0
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.log: list[dict] = []
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> None:
+        ckpt = self.work_dir / "checkpoint"
+        save_drafter(self.drafter, ckpt)
+        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step, "total_steps": self.total_steps,
+                    "elapsed": self.elapsed, "max_steps": self.config.max_steps, "generator": self.generator.get_state()}, ckpt / "train_state.pt")
+        (self.work_dir / "train_log.json").write_text(json.dumps(self.log, indent=1))
+
+    def load_checkpoint(self) -> bool:
+        ckpt = self.work_dir / "checkpoint"
+        if not (ckpt / "train_state.pt").is_file():
+            return False
+        saved = load_drafter(ckpt)
+        if saved.config != self.drafter.config:
+            raise UserError(f"checkpoint in {ckpt} was made with other drafter settings; drop --resume or use another --work-dir")
+        self.drafter.load_state_dict(saved.state_dict())
+        state = torch.load(ckpt / "train_state.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.total_steps, self.elapsed = state["step"], state["total_steps"], state["elapsed"]
+        if self.total_steps == state["max_steps"]:  # the schedule was set by --max-steps, not the budget
+            self.total_steps = self.config.max_steps
+        self.generator.set_state(state["generator"])
+        log_path = self.work_dir / "train_log.json"
+        self.log = json.loads(log_path.read_text()) if log_path.is_file() else []
+        return True
+
+    # ------------------------------------------------------------ loop
+
+    def train_step(self) -> float:
+        c = self.config
+        picks = torch.randint(len(self.data.train), (c.sequences_per_step,), generator=self.generator).tolist()
+        batch = make_batch([self.data.train[i] for i in picks], c.anchors_per_sequence, self.generator)
+        for group in self.optimizer.param_groups:
+            group["lr"] = c.lr * lr_factor(self.step, self.total_steps, c.warmup_frac)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.autocast):
+            loss, _ = drafter_loss(self.drafter, self.target.embed_tokens.weight, self.target.lm_head.weight,
+                                   batch, c.gamma)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.clip)
+        self.optimizer.step()
+        self.step += 1
+        return float(loss.detach())
+
+    def run(self) -> list[dict]:
+        """Train until the step count or the time budget is reached; returns the log."""
+        c = self.config
+        began = time.perf_counter() - self.elapsed
+        last_eval = last_ckpt = time.perf_counter()
+        self.drafter.train()
+        bar = tqdm(total=self.total_steps if self.total_steps < 1_000_000 else None, initial=self.step,
+                   desc="train-drafter", unit="step")
+        losses = []
+        while self.step < self.total_steps and time.perf_counter() - began < c.time_budget_s:
+            losses.append(self.train_step())
+            self.elapsed = time.perf_counter() - began
+            if self.step == 20 or (self.step > 20 and self.total_steps >= 1_000_000):
+                self._fit_schedule_to_budget(bar)
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{self.optimizer.param_groups[0]['lr']:.1e}")
+            now = time.perf_counter()
+            if now - last_eval > c.eval_every_s:
+                self._log_eval(losses)
+                losses, last_eval = [], now
+            if now - last_ckpt > c.checkpoint_every_s:
+                self.save_checkpoint()
+                last_ckpt = now
+        bar.close()
+        self._log_eval(losses)
+        self.save_checkpoint()
+        return self.log
+
+    def _fit_schedule_to_budget(self, bar) -> None:
+        rate = self.step / max(self.elapsed, 1e-6)
+        fitted = int(rate * self.config.time_budget_s * 0.97)
+        self.total_steps = max(self.step + 1, min(self.config.max_steps, fitted))
+        bar.total = self.total_steps
+        bar.refresh()
+
+    def _log_eval(self, losses: list[float]) -> None:
+        self.drafter.eval()
+        metrics = evaluate(self.drafter, self.target, self.data.valid, self.config) if self.data.valid else {}
+        self.drafter.train()
+        entry = {"step": self.step, "elapsed_s": round(self.elapsed, 1),
+                 "train_loss": sum(losses) / len(losses) if losses else None, **metrics}
+        self.log.append(entry)
+        tqdm.write(json.dumps(entry))
