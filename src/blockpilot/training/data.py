@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from blockpilot.errors import UserError
+from blockpilot.text import chat_prompt_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,16 +24,6 @@ class Sequence:
     ids: tuple[int, ...]
     answer_start: int
     source: str = ""
-
-
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of `prompt` as the assistant turn's context (chat template when there is one)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 
 def read_answer_rows(path: Path) -> list[dict]:
@@ -62,8 +53,8 @@ def tokenize_rows(rows: list[dict], tokenizer, max_len: int) -> list[Sequence]:
     sequences = []
     for row in rows:
         prompt = chat_prompt_ids(tokenizer, row["prompt"])
-        answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
-        if row.get("finish") == "stop" and eos is not None:
+        answer = row.get("answer_ids") or tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
+        if row.get("finish") == "stop" and eos is not None and answer[-1:] != [eos]:
             answer = answer + [eos]
         ids = (prompt + answer)[:max_len]
         if len(ids) - len(prompt) >= 2:
@@ -100,6 +91,6 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
                 answer_ids = row[: row.index(tokenizer.eos_token_id)] if stop else row
                 out.write(json.dumps({"source": source, "prompt": prompt,
                                       "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
-                                      "finish": "stop" if stop else "length"}) + "\n")
+                                      "answer_ids": answer_ids, "finish": "stop" if stop else "length"}) + "\n")
             out.flush()
     return out_path

@@ -1,0 +1,106 @@
+"""Acceptance length (tau) of a drafter at many block sizes on HumanEval / MT-Bench.
+
+T = 0: exact replay of greedy decoding (blockpilot.training.evaluate) over the target's own greedy
+answers, which are generated once (transformers, batched) and cached next to the output.
+T = 1: real speculative sampling through the Runner on a subsample of prompts.
+
+    python scripts/eval_drafter.py --drafter DIR --datasets humaneval,mtbench --block-sizes 2-20 \
+        --out runs/eval.json [--t1-prompts 8 --t1-max-new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from blockpilot.assets.prompts import load_dataset
+from blockpilot.assets.smollm2 import smollm2_dir
+from blockpilot.models.checkpoint import load_drafter, load_target
+from blockpilot.runtime.runner import Runner
+from blockpilot.text import chat_prompt_ids
+from blockpilot.training.data import read_answer_rows, regenerate_answers
+from blockpilot.training.evaluate import mean_tau, replay_accept_lengths, sequence_taps
+
+
+def parse_range(text: str) -> list[int]:
+    lo, _, hi = text.partition("-")
+    return list(range(int(lo), int(hi or lo) + 1))
+
+
+def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int) -> list[dict]:
+    prompts = load_dataset(dataset)
+    regenerate_answers(target_dir, [p.text for p in prompts], max_new_tokens=max_new_tokens, batch_size=16,
+                       out_path=cache, sources=[p.category for p in prompts])
+    by_prompt = {r["prompt"]: r for r in read_answer_rows(cache)}
+    return [dict(by_prompt[p.text], category=p.category) for p in prompts]
+
+
+def eval_t0(target, drafter, tokenizer, rows, block_sizes) -> dict:
+    steps = {b: [] for b in block_sizes}
+    for row in tqdm(rows, desc="replay T=0", unit="prompt"):
+        prompt = chat_prompt_ids(tokenizer, row["prompt"])
+        ids = prompt + row["answer_ids"] + ([tokenizer.eos_token_id] if row["finish"] == "stop" else [])
+        taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
+        for b in block_sizes:
+            steps[b].append(replay_accept_lengths(target, drafter, ids, len(prompt), b, taps))
+    return {b: mean_tau(s) for b, s in steps.items()}
+
+
+def eval_t1(runner, tokenizer, rows, block_sizes, n_prompts, max_new_tokens) -> dict:
+    taus = {b: [] for b in block_sizes}
+    for i, row in enumerate(tqdm(rows[:n_prompts], desc="sampling T=1", unit="prompt")):
+        ids = torch.tensor(chat_prompt_ids(tokenizer, row["prompt"]))
+        for b in block_sizes:
+            out = runner.generate([ids], max_new_tokens=max_new_tokens, temperature=1.0, block_size=b,
+                                  random_seed=1000 + i, return_dict=True)
+            taus[b].append(out["tau"][0])
+    return {b: sum(v) / len(v) for b, v in taus.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", type=Path, required=True)
+    ap.add_argument("--target", type=Path)
+    ap.add_argument("--datasets", default="humaneval,mtbench")
+    ap.add_argument("--block-sizes", default="2-20")
+    ap.add_argument("--limit", type=int, help="first N prompts per dataset at T=0")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--t1-prompts", type=int, default=0, help="prompts per dataset at T=1 (0: skip)")
+    ap.add_argument("--t1-max-new-tokens", type=int, default=64)
+    ap.add_argument("--t1-block-sizes", help="default: --block-sizes")
+    ap.add_argument("--answers-dir", type=Path, default=Path("runs/answers"))
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    from transformers import AutoTokenizer
+
+    target_dir = args.target or smollm2_dir()
+    target, drafter = load_target(target_dir), load_drafter(args.drafter)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    runner = Runner.from_dir(target_dir, drafter_dir=args.drafter)
+    sizes = parse_range(args.block_sizes)
+    t1_sizes = parse_range(args.t1_block_sizes) if args.t1_block_sizes else sizes
+    args.answers_dir.mkdir(parents=True, exist_ok=True)
+    report = {"drafter": str(args.drafter), "max_new_tokens": args.max_new_tokens, "datasets": {}}
+    for dataset in args.datasets.split(","):
+        began = time.time()
+        rows = greedy_rows(target_dir, dataset, args.answers_dir / f"{dataset}-greedy-{args.max_new_tokens}.jsonl",
+                           args.max_new_tokens)[: args.limit]
+        entry = {"prompts_t0": len(rows), "tau_t0": eval_t0(target, drafter, tokenizer, rows, sizes)}
+        if args.t1_prompts:
+            entry.update(prompts_t1=min(args.t1_prompts, len(rows)), t1_max_new_tokens=args.t1_max_new_tokens,
+                         tau_t1=eval_t1(runner, tokenizer, rows, t1_sizes, args.t1_prompts, args.t1_max_new_tokens))
+        entry["seconds"] = round(time.time() - began)
+        report["datasets"][dataset] = entry
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        print(json.dumps({dataset: entry}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""`blockpilot demo`: a few built-in prompts, autoregressive vs speculative, as a table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEMO_PROMPTS = (
+    ("code", "Write a Python function that returns the n-th Fibonacci number."),
+    ("code", "Write a Python function that checks whether a string is a palindrome."),
+    ("math", "Tom has 12 apples. He gives 5 to Anna and buys 8 more. How many apples does Tom have now?"),
+    ("chat", "Give me three tips for staying focused while studying."),
+)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="run built-in prompts: autoregressive vs speculative tokens/s",
+                              description="Generate for a few built-in prompts with the embedded default "
+                              "model (or --target/--drafter), autoregressively and speculatively, and print "
+                              "tokens/s, tau and the block size used.")
+    p.add_argument("--target", type=Path, help="target model dir (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", type=Path, help="drafter dir (default: the shipped one)")
+    p.add_argument("--block-size", default=None, help="N or auto (default: auto with a predictor, else B_train)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.set_defaults(run=run)
+
+
+def _timed(runner, ids, max_new_tokens, block_size):
+    import torch
+
+    began = time.perf_counter()
+    out = runner.generate([torch.tensor(ids)], max_new_tokens=max_new_tokens, block_size=block_size,
+                          return_dict=True)
+    seconds = time.perf_counter() - began
+    produced = int(out["sequence_lengths"][0, 0]) - len(ids)
+    return out, produced / seconds
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockpilot.commands.generate import load_runner
+    from blockpilot.text import chat_prompt_ids, load_tokenizer
+
+    runner, target_dir = load_runner(args.target, args.drafter)
+    tokenizer = load_tokenizer(target_dir)
+    block_size = int(args.block_size) if args.block_size and args.block_size.isdigit() else args.block_size
+    prompts = [chat_prompt_ids(tokenizer, text) for _, text in DEMO_PROMPTS]
+    _timed(runner, prompts[0], 8, block_size)  # warm-up, not reported
+    header = f"{'prompt':<8}{'AR tok/s':>10}{'spec tok/s':>12}{'speedup':>9}{'tau':>7}{'block':>7}"
+    print(header)
+    print("-" * len(header))
+    for (category, _), ids in zip(DEMO_PROMPTS, prompts):
+        ar, ar_rate = _timed(runner, ids, args.max_new_tokens, 1)
+        spec, spec_rate = _timed(runner, ids, args.max_new_tokens, block_size)
+        if not torch_equal(ar["output_ids"], spec["output_ids"]):
+            print(f"error: speculative output differs from autoregressive output for a {category} prompt",
+                  file=sys.stderr)
+            return 1
+        print(f"{category:<8}{ar_rate:>10.1f}{spec_rate:>12.1f}{spec_rate / ar_rate:>8.2f}x"
+              f"{spec['tau'][0]:>7.2f}{spec['block_sizes'][0]:>7}")
+    return 0
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
