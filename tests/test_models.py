@@ -69,3 +69,17 @@ def test_drafter_checkpoint_round_trips_in_zlab_layout(tmp_path):
     assert not any(n.startswith("model.") or "embed" in n or "lm_head" in n for n in names)
     drafter = load_drafter(drafter_dir)
     assert drafter.config.block_size == 8 and drafter.mask_embedding is None
+
+
+def test_learned_mask_embedding_round_trips_and_replaces_the_token_lookup(tmp_path):
+    from blockpilot.models.checkpoint import save_drafter
+
+    target_dir = make_hf_target(tmp_path, "llama")
+    drafter = load_drafter(make_drafter(tmp_path, target_dir))
+    learned = torch.randn(32)
+    drafter.set_mask_embedding(learned)
+    reloaded = load_drafter(save_drafter(drafter, tmp_path / "with-mask"))
+    assert torch.equal(reloaded.mask_embedding.detach(), learned)
+    first = torch.randn(1, 1, 32)
+    block = reloaded.block_embeddings(first, torch.zeros(32), 4)  # the token lookup would give zeros
+    assert torch.equal(block[0, 0], first[0, 0]) and torch.equal(block[0, 1:], learned.expand(3, 32))
