@@ -32,8 +32,9 @@ def parse_range(text: str) -> list[int]:
     return list(range(int(lo), int(hi or lo) + 1))
 
 
-def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int) -> list[dict]:
-    prompts = load_dataset(dataset)
+def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int,
+                limit: int | None = None) -> list[dict]:
+    prompts = load_dataset(dataset)[:limit]
     regenerate_answers(target_dir, [p.text for p in prompts], max_new_tokens=max_new_tokens, batch_size=16,
                        out_path=cache, sources=[p.category for p in prompts])
     by_prompt = {r["prompt"]: r for r in read_answer_rows(cache)}
@@ -90,7 +91,7 @@ def main() -> None:
     for dataset in args.datasets.split(","):
         began = time.time()
         rows = greedy_rows(target_dir, dataset, args.answers_dir / f"{dataset}-greedy-{args.max_new_tokens}.jsonl",
-                           args.max_new_tokens)[: args.limit]
+                           args.max_new_tokens, args.limit)
         entry = {"prompts_t0": len(rows), "tau_t0": eval_t0(target, drafter, tokenizer, rows, sizes)}
         if args.t1_prompts:
             entry.update(prompts_t1=min(args.t1_prompts, len(rows)), t1_max_new_tokens=args.t1_max_new_tokens,

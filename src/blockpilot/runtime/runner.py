@@ -103,24 +103,56 @@ class Runner:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, drafter_dir: str | Path | None = None,
-                 backend: str = "torch", device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_block_size: int | None = None) -> "Runner":
-        """Load a target (Hugging Face directory) and a DFlash drafter directory.
+                 backend: str | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
+                 max_block_size: int | None = None, predictor: str | Path | None = None,
+                 predictor_threshold: float | None = None) -> "Runner":
+        """Load a target (Hugging Face directory) and a DFlash drafter directory, or an engine
+        directory (one with `manifest.json`: see `from_engine_dir`; `dtype` is then the build's).
 
-        Without `drafter_dir` the runner can only decode autoregressively (block size 1).
+        Without `drafter_dir` the runner can only decode autoregressively (block size 1). With
+        `predictor` (an ONNX file from `blockpilot train-predictor`, checked against both models)
+        block size "auto" is the default; `predictor_threshold` overrides its fallback threshold.
         """
         from blockpilot.models.checkpoint import load_drafter, load_target
         from blockpilot.models.config import check_drafter_fits_target
         from blockpilot.runtime.backend import TorchBackend
 
-        if backend != "torch":
+        if (Path(model_dir) / "manifest.json").is_file():
+            if drafter_dir is not None:
+                raise UserError(f"{model_dir} is an engine directory with its own drafter; do not pass drafter_dir")
+            return cls.from_engine_dir(model_dir, backend=backend, device=device, predictor=predictor,
+                                       predictor_threshold=predictor_threshold)
+        device = device or "cpu"
+        if backend not in (None, "torch"):
             raise UserError(f"backend {backend!r} needs an engine directory (blockpilot build); use backend='torch'")
         target = load_target(model_dir, dtype=dtype).to(device)
         drafter = None
         if drafter_dir is not None:
             drafter = load_drafter(drafter_dir, dtype=dtype).to(device)
             check_drafter_fits_target(target.config, drafter.config, where=f"drafter {drafter_dir}")
-        return cls(TorchBackend(target, drafter, max_block_size), end_id=_read_eos_id(Path(model_dir)))
+        torch_backend = TorchBackend(target, drafter, max_block_size)
+        policy = None
+        if predictor is not None:
+            from blockpilot.runtime.policy import load_policy
+
+            policy = load_policy(predictor, torch_backend, target_dir=model_dir, drafter_dir=drafter_dir,
+                                 threshold=predictor_threshold)
+        return cls(torch_backend, policy=policy, end_id=_read_eos_id(Path(model_dir)))
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, *, backend: str | None = None, device: str | None = None,
+                        predictor: str | Path | None = None, predictor_threshold: float | None = None) -> "Runner":
+        """Load an engine directory written by `blockpilot build` (manifest and file hashes checked).
+
+        `backend`: "torch", "onnxruntime", "tensorrt", or None for the fastest usable one. The
+        directory's `predictor.onnx` (or `predictor`) makes block size "auto" the default.
+        """
+        from blockpilot.runtime.engine_dir import open_engine_dir
+
+        opened = open_engine_dir(engine_dir, backend=backend, device=device, predictor=predictor,
+                                 predictor_threshold=predictor_threshold)
+        return cls(opened.backend, policy=opened.policy, default_block_size=opened.default_block_size,
+                   end_id=_read_eos_id(opened.target_dir))
 
     # ---------------------------------------------------------------- public API
 
@@ -207,7 +239,7 @@ class Runner:
                 yield GenerationResult(requests + [RequestResult(p) for p in prompts[len(requests):]],
                                        max_new_tokens, pad)
 
-    def _choose_block_size(self, request: RequestResult, block_size, prefill) -> int:
+    def _choose_block_size(self, request: RequestResult, block_size, prefill, temperature: float) -> int:
         if isinstance(block_size, int):
             return block_size
         if self.policy is None:
@@ -215,7 +247,7 @@ class Runner:
                 raise UserError("block_size='auto' needs a predictor; load one or pass a block size")
             return self.default_block_size
         start = self.clock()
-        choice = self.policy.select(prefill.hidden, prefill.last_logits)
+        choice = self.policy.select(prefill.hidden, prefill.last_logits, temperature=temperature)
         request.predictor_s = self.clock() - start
         request.block_size_prob = choice.probability
         return choice.block_size
@@ -231,7 +263,7 @@ class Runner:
         prefill = be.prefill(state, torch.tensor([request.input_ids], device=_device_of(be)))
         last = sample_tokens(prefill.last_logits, params, generator)  # (1,)
         request.prefill_s = clock() - t0
-        request.block_size = k = self._choose_block_size(request, block_size, prefill)
+        request.block_size = k = self._choose_block_size(request, block_size, prefill, params.temperature)
         if self._commit(request, [int(last)], max_new_tokens, end_id):
             yield
             return
@@ -284,7 +316,11 @@ def _read_eos_id(model_dir: Path) -> int | None:
     for name in ("generation_config.json", "config.json"):
         path = model_dir / name
         if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
+            try:
+                raw = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise UserError(f"{path} is not valid JSON ({exc}); restore or delete the file") from None
+            eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
             if isinstance(eos, list):
                 eos = eos[0] if eos else None
             if eos is not None:

@@ -1,0 +1,70 @@
+"""`blockpilot train-predictor`: train the block-size MLP on label datasets and export it to ONNX."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train-predictor",
+        help="train the block-size predictor (2-layer MLP) on `blockpilot label` datasets, export ONNX + report",
+        description="Train a K-way block-size classifier on prefill features with cross-entropy, early "
+        "stopping on a held-out validation split, and export it to ONNX. Writes <out>.report.json and "
+        "<out>.report.md (accuracy, confusion matrix, tau and throughput vs every fixed size and the oracle, "
+        "on a test split not used for training or stopping).",
+    )
+    p.add_argument("--dataset", type=Path, action="append", required=True,
+                   help="label dataset directory (repeatable: e.g. one per temperature)")
+    p.add_argument("--out", type=Path, required=True, help="output predictor .onnx")
+    p.add_argument("--objective", choices=("tau", "throughput"), default="tau",
+                   help="label: argmax tau (paper) or argmax tau / measured step time")
+    p.add_argument("--features", choices=("pooled", "logits"), default="pooled",
+                   help="mean-pooled last hidden state (default) or last-token prefill logits")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--with-temperature", action="store_true", help="take the sampling temperature as an input")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=1e-2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-epochs", type=int, default=300)
+    p.add_argument("--patience", type=int, default=30, help="epochs without a better validation loss before stopping")
+    p.add_argument("--val-fraction", type=float, default=0.15)
+    p.add_argument("--test-fraction", type=float, default=0.15)
+    p.add_argument("--threshold", type=float, default=0.0,
+                   help="stored fallback threshold: below this top probability the runtime uses B_train")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=Path, help="check the datasets were labelled with this target's weights")
+    p.add_argument("--drafter", type=Path, help="check the datasets were labelled with this drafter's weights")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockpilot.errors import UserError
+    from blockpilot.predictor.labels import load_label_dataset
+    from blockpilot.predictor.report import report_paths
+    from blockpilot.predictor.train import TrainSettings, check_dataset_models, train_predictor
+
+    for name in ("hidden", "batch_size", "max_epochs", "patience"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    if not 0.0 <= args.dropout < 1.0 or not 0.0 <= args.threshold <= 1.0:
+        raise UserError("--dropout must be in [0, 1) and --threshold in [0, 1]")
+    datasets = [load_label_dataset(path) for path in args.dataset]
+    for dataset in datasets:
+        check_dataset_models(dataset, args.target, args.drafter)
+    settings = TrainSettings(
+        objective=args.objective, features=args.features, hidden=args.hidden, dropout=args.dropout,
+        with_temperature=args.with_temperature, lr=args.lr, weight_decay=args.weight_decay,
+        batch_size=args.batch_size, max_epochs=args.max_epochs, patience=args.patience,
+        val_fraction=args.val_fraction, test_fraction=args.test_fraction, threshold=args.threshold, seed=args.seed,
+    )
+    report = train_predictor(datasets, settings, args.out)
+    split = report["splits"][report["evaluated_on"]]
+    print(json.dumps({"out": str(args.out), "report": str(report_paths(args.out)[1]),
+                      "evaluated_on": report["evaluated_on"], "accuracy": round(split["accuracy"], 4),
+                      "tau": {k: split["tau"][k] for k in ("auto", "best_fixed", "oracle")},
+                      "throughput": {k: split["throughput"][k] for k in ("auto", "best_fixed", "oracle")}}))
+    return 0

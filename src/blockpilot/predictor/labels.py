@@ -1,0 +1,314 @@
+"""Oracle labels: speculative decoding of every training prompt at every candidate block size.
+
+A label dataset is a directory:
+
+    meta.json            what was labelled how: model hashes, candidates, B_train, temperature, ...
+    labels.safetensors   consolidated rows, in labelling order (metadata "ids": JSON list of prompt ids)
+    parts/NNNNNNN.safetensors
+                         one row per prompt, written atomically while labelling (NNNNNNN = the
+                         prompt's index in the prompt file); merged into labels.safetensors at
+                         the end of a run. A restart skips every id already in either place.
+
+Row tensors (N prompts, K candidates): `pooled` (N, H) and `logits` (N, V) float32 prefill
+features (`blockpilot.runtime.policy`), `tau` (N, K) float64 mean acceptance length, `steps`,
+`accepted` (sum of acceptance lengths) and `new_tokens` (N, K) int64, `draft_s` and `verify_s`
+(N, K) float64 seconds, `step_s` (N, K) their sum per decode step, `prompt_tokens` (N,) int64.
+
+Label objectives (chosen at training time, both computed from the dataset):
+    tau         argmax of tau over candidates (the paper's labels)
+    throughput  argmax of tau / step cost, the step cost of a candidate being its mean measured
+                step time (draft + verify) over the whole dataset: per-prompt step times on a shared
+                CPU are too noisy to compare, and the cost of a step depends on the block size.
+Ties (within 1e-9 relative) go to the candidate nearest B_train, then to the smaller one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from blockpilot.errors import UserError
+from blockpilot.runtime.policy import FEATURE_KINDS, prefill_features
+
+LABEL_FORMAT = "blockpilot-labels"
+LABEL_VERSION = 1
+OBJECTIVES = ("tau", "throughput")
+ROW_KEYS = ("pooled", "logits", "tau", "steps", "accepted", "new_tokens", "draft_s", "verify_s", "step_s",
+            "prompt_tokens")
+CONSOLIDATED = "labels.safetensors"
+META = "meta.json"
+PARTS = "parts"
+# meta.json fields that must agree for a resumed run to append to the same dataset
+RESUME_KEYS = ("format", "version", "target_sha256", "drafter_sha256", "candidates", "b_train", "temperature",
+               "top_k", "top_p", "max_new_tokens", "backend", "dtype", "seed", "chat_template", "clock")
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelSettings:
+    """How each prompt is decoded: candidates, sampling, budget; `seed` fixes the sampling draws."""
+
+    candidates: tuple[int, ...]
+    b_train: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    seed: int = 0
+
+
+# ---------------------------------------------------------------- label math (pure tensor functions)
+
+
+def oracle_labels(scores: torch.Tensor, candidates: torch.Tensor, b_train: int) -> torch.Tensor:
+    """Index of the best candidate per row, ties to the one nearest `b_train`, then the smaller.
+
+    Args:
+        scores: `(N, K)` higher is better (tau, or tau per second of step).
+        candidates: `(K,)` block sizes.
+        b_train: the drafter's training block size.
+
+    Returns:
+        `(N,)` int64 class indices into `candidates`.
+    """
+    scores = scores.double()
+    best = scores.max(dim=1, keepdim=True).values  # (N, 1)
+    tied = scores >= best - 1e-9 * best.abs().clamp_min(1.0)  # (N, K)
+    distance = (candidates.double() - b_train).abs() + candidates.double() * 1e-6  # (K,) nearest, then smaller
+    return torch.where(tied, distance, torch.inf).argmin(dim=1)
+
+
+def candidate_step_cost(draft_s: torch.Tensor, verify_s: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Mean seconds per decode step of each candidate over all rows: `(N, K)` x3 -> `(K,)` float64."""
+    return (draft_s + verify_s).double().sum(dim=0) / steps.double().sum(dim=0).clamp_min(1)
+
+
+# ---------------------------------------------------------------- the dataset
+
+
+@dataclasses.dataclass
+class LabelDataset:
+    """Rows of a label dataset (see module docstring) with its `meta.json`."""
+
+    ids: list[str]
+    rows: dict[str, torch.Tensor]
+    meta: dict
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        return tuple(self.meta["candidates"])
+
+    @property
+    def b_train(self) -> int:
+        return int(self.meta["b_train"])
+
+    def step_cost(self) -> torch.Tensor:
+        """`(K,)` mean step time of each candidate over the dataset (seconds)."""
+        return candidate_step_cost(self.rows["draft_s"], self.rows["verify_s"], self.rows["steps"])
+
+    def scores(self, objective: str) -> torch.Tensor:
+        """`(N, K)` the quantity `objective` maximises: tau, or tau per second of step."""
+        if objective == "tau":
+            return self.rows["tau"]
+        if objective == "throughput":
+            return self.rows["tau"] / self.step_cost()[None, :]
+        raise UserError(f"unknown objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
+
+    def labels(self, objective: str) -> torch.Tensor:
+        """`(N,)` int64 index of the oracle candidate under `objective`."""
+        return oracle_labels(self.scores(objective), torch.tensor(self.candidates), self.b_train)
+
+
+def load_label_dataset(path: str | Path) -> LabelDataset:
+    """Read a label dataset directory (consolidated rows plus any parts of an unfinished run).
+
+    Raises:
+        UserError: not a label dataset, or it has no rows yet.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    if meta is None:
+        raise UserError(f"{path} is not a label dataset (no {META}); create one with `blockpilot label`")
+    ids, chunks = _read_rows(path)
+    if not ids:
+        raise UserError(f"label dataset {path} has no labelled prompts yet; run `blockpilot label` on it")
+    rows = {key: torch.cat([c[key] for c in chunks]) for key in ROW_KEYS}
+    return LabelDataset(ids, rows, meta)
+
+
+def read_meta(path: Path) -> dict | None:
+    """`meta.json` of a dataset directory, None when absent."""
+    try:
+        meta = json.loads((Path(path) / META).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{Path(path) / META} is unreadable ({exc}); remove the dataset and label again") from None
+    if meta.get("format") != LABEL_FORMAT:
+        raise UserError(f"{path} is not a BlockPilot label dataset; create one with `blockpilot label`")
+    return meta
+
+
+def _read_rows(path: Path) -> tuple[list[str], list[dict[str, torch.Tensor]]]:
+    """Ids and row chunks of the consolidated file, then of the parts in index order; an id seen twice
+    (a run interrupted while consolidating) is read once."""
+    files = ([path / CONSOLIDATED] if (path / CONSOLIDATED).is_file() else [])
+    files += sorted((path / PARTS).glob("*.safetensors")) if (path / PARTS).is_dir() else []
+    ids: list[str] = []
+    seen: set[str] = set()
+    chunks: list[dict[str, torch.Tensor]] = []
+    for file in files:
+        file_ids, tensors = _read_row_file(file)
+        keep = [i for i, row_id in enumerate(file_ids) if row_id not in seen]
+        ids += [file_ids[i] for i in keep]
+        seen.update(file_ids)
+        chunks.append({key: tensors[key][keep] for key in ROW_KEYS})
+    return ids, chunks
+
+
+def _read_row_file(file: Path) -> tuple[list[str], dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as handle:
+            ids = json.loads(handle.metadata()["ids"])
+        return ids, load_file(file)
+    except (SafetensorError, OSError, KeyError, ValueError) as exc:
+        raise UserError(f"{file} is corrupt ({exc}); delete it and run `blockpilot label` again to redo it") from None
+
+
+def save_rows_atomic(ids: list[str], rows: dict[str, torch.Tensor], file: Path) -> None:
+    """Write rows to `file` through a temporary sibling and a rename (complete or absent)."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
+    os.close(handle)
+    try:
+        save_file({k: v.contiguous() for k, v in rows.items()}, tmp, metadata={"ids": json.dumps(ids)})
+        os.chmod(tmp, 0o644)  # mkstemp makes it private
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(data: dict, file: Path) -> None:
+    """Write `data` as JSON through a temporary sibling and a rename."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
+    with os.fdopen(handle, "w") as stream:
+        stream.write(json.dumps(data, indent=2) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, file)
+
+
+def consolidate(path: Path) -> int:
+    """Merge the parts of `path` into `labels.safetensors` and remove them; returns the row count."""
+    ids, chunks = _read_rows(path)
+    if not ids:
+        return 0
+    parts = sorted((path / PARTS).glob("*.safetensors")) if (path / PARTS).is_dir() else []
+    if parts:
+        save_rows_atomic(ids, {key: torch.cat([c[key] for c in chunks]) for key in ROW_KEYS}, path / CONSOLIDATED)
+        for part in parts:
+            part.unlink()
+    if (path / PARTS).is_dir() and not any((path / PARTS).iterdir()):
+        (path / PARTS).rmdir()
+    return len(ids)
+
+
+# ---------------------------------------------------------------- labelling
+
+
+def label_prompt(runner, input_ids: list[int], settings: LabelSettings, seed: int) -> dict[str, torch.Tensor]:
+    """One dataset row: prefill features, then speculative decoding at every candidate block size.
+
+    Args:
+        runner: a `blockpilot.runtime.runner.Runner` with a drafter.
+        input_ids: the prompt's token ids.
+        settings: candidates and sampling.
+        seed: sampling seed, the same for every candidate of this prompt.
+
+    Returns:
+        Row tensors with a leading dimension of 1 (see module docstring).
+    """
+    row = prefill_row(runner.backend, input_ids)
+    k = len(settings.candidates)
+    counts = {key: torch.zeros(1, k, dtype=torch.int64) for key in ("steps", "accepted", "new_tokens")}
+    times = {key: torch.zeros(1, k, dtype=torch.float64) for key in ("draft_s", "verify_s")}
+    for j in _rotated(range(k), seed):  # rotate the order so no candidate always runs first (cache, clocks)
+        out = runner.generate([torch.tensor(input_ids)], max_new_tokens=settings.max_new_tokens,
+                              temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                              random_seed=seed, block_size=settings.candidates[j], return_dict=True)
+        accepts = out["accept_lengths"][0]
+        counts["steps"][0, j], counts["accepted"][0, j] = len(accepts), sum(accepts)
+        counts["new_tokens"][0, j] = int(out["sequence_lengths"][0, 0]) - len(input_ids)
+        times["draft_s"][0, j] = out["timings"][0]["draft_s"]
+        times["verify_s"][0, j] = out["timings"][0]["verify_s"]
+    steps = counts["steps"].double().clamp_min(1)
+    tau = counts["accepted"].double() / steps
+    return {**row, **counts, **times, "tau": tau, "step_s": (times["draft_s"] + times["verify_s"]) / steps}
+
+
+def prefill_row(backend, input_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Prefill features of every kind `(1, F)` and the prompt length, from one target prefill."""
+    state = backend.new_state(1, len(input_ids) + 1)
+    device = getattr(backend, "device", "cpu")
+    prefill = backend.prefill(state, torch.tensor([input_ids], device=device))
+    features = {kind: prefill_features(kind, prefill.hidden, prefill.last_logits) for kind in FEATURE_KINDS}
+    return {**features, "prompt_tokens": torch.tensor([len(input_ids)], dtype=torch.int64)}
+
+
+def _rotated(indices: Iterable[int], shift: int) -> list[int]:
+    items = list(indices)
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def prepare_dataset_dir(path: Path, meta: dict) -> set[str]:
+    """Create the dataset directory with `meta`, or check an existing one agrees; returns the done ids.
+
+    Raises:
+        UserError: the directory holds a dataset labelled with other models or settings, or is
+            something else that is not empty.
+    """
+    meta = json.loads(json.dumps(meta))  # compare in JSON form (tuples become lists)
+    existing = read_meta(path) if path.exists() else None
+    if existing is None:
+        if path.exists() and any(path.iterdir()):
+            raise UserError(f"{path} exists and is not a label dataset; choose another --out")
+        write_json_atomic(meta, path / META)
+        return set()
+    for key in RESUME_KEYS:
+        if existing.get(key) != meta.get(key):
+            what = "another model" if key.endswith("sha256") else "other settings"
+            raise UserError(f"{path} was labelled with {what} ({key} {existing.get(key)!r}, now {meta.get(key)!r}); "
+                            "use another --out or the same models and settings")
+    return set(_read_rows(path)[0])
+
+
+def label_prompts(runner, prompts: list[tuple[int, str, list[int]]], settings: LabelSettings, out: Path,
+                  progress: bool = True) -> int:
+    """Label `prompts` (file index, id, token ids) into the prepared dataset directory `out`.
+
+    Each row is written as its own part file as soon as it is done, so an interrupted run loses
+    at most one prompt; the parts are consolidated at the end.
+
+    Returns:
+        The number of rows in the dataset afterwards.
+    """
+    from tqdm import tqdm
+
+    for index, prompt_id, ids in tqdm(prompts, desc="labelling", unit="prompt", disable=not progress):
+        row = label_prompt(runner, ids, settings, seed=settings.seed * 1_000_003 + index)
+        save_rows_atomic([prompt_id], row, out / PARTS / f"{index:07d}.safetensors")
+    return consolidate(out)

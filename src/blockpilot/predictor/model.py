@@ -1,0 +1,61 @@
+"""The block-size predictor network: a 2-layer MLP over prefill features (released BlockPilot layout).
+
+    x  = (features - mean) / std           standardisation with training-set statistics, in the graph
+    x  = [x ; temperature]                 only when trained with temperature as an input
+    h1 = dropout(relu(fc1(x)))             (B, hidden)
+    h2 = h1 + dropout(relu(fc2(h1)))       residual second layer, (B, hidden)
+    logits = head(h2)                      (B, K), one class per candidate block size
+
+The standardisation is part of the module (buffers), so the exported ONNX takes raw features,
+exactly what `blockpilot.runtime.policy.prefill_features` computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BlockSizeMLP(nn.Module):
+    """K-way classifier over candidate block sizes.
+
+    Args:
+        in_features: feature width F.
+        num_classes: number of candidates K.
+        hidden: hidden width (released code: 2048).
+        dropout: dropout probability after each hidden layer (released code: 0.2).
+        with_temperature: take the sampling temperature `(B, 1)` as an extra input.
+        mean, std: `(F,)` feature statistics of the training set (default: 0 and 1).
+    """
+
+    def __init__(self, in_features: int, num_classes: int, hidden: int = 2048, dropout: float = 0.2,
+                 with_temperature: bool = False, mean: torch.Tensor | None = None, std: torch.Tensor | None = None):
+        super().__init__()
+        self.with_temperature = with_temperature
+        self.register_buffer("mean", torch.zeros(in_features) if mean is None else mean.float().clone())
+        std = torch.ones(in_features) if std is None else std.float()
+        self.register_buffer("std", torch.where(std > 1e-6, std, torch.ones_like(std)))  # constant features: 1
+        self.fc1 = nn.Linear(in_features + int(with_temperature), hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, num_classes)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, features: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
+        """Class logits `(B, K)` for features `(B, F)` [and temperature `(B, 1)`]."""
+        x = (features - self.mean) / self.std
+        if self.with_temperature:
+            x = torch.cat((x, temperature), dim=-1)
+        h = self.dropout(torch.relu(self.fc1(x)))  # (B, hidden)
+        h = h + self.dropout(torch.relu(self.fc2(h)))  # (B, hidden)
+        return self.head(h)  # (B, K)
+
+
+class ProbabilityModel(nn.Module):
+    """What is exported: softmax of a `BlockSizeMLP`'s logits, `(B, K)` probabilities."""
+
+    def __init__(self, mlp: BlockSizeMLP):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, features: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.softmax(self.mlp(features, temperature), dim=-1)

@@ -1,0 +1,298 @@
+"""The block-size policy: prefill features and the ONNX predictor that scores candidate block sizes.
+
+BlockPilot chooses one block size per request, once, right after prefill:
+
+    prefill -> features (B, F) -> predictor -> probabilities (B, K) over `candidates`
+            -> block size (the top candidate, or the drafter's B_train when the top
+               probability is under `threshold`)
+
+The feature functions here are the only definition of the features: the labelling code
+(`blockpilot.predictor.labels`) imports them, so features at label time and at inference time are
+the same code. Two kinds exist:
+
+    pooled   the target's final (post-norm) hidden states mean-pooled over the prompt, (B, H)
+    logits   the target's logits at the last prompt token, (B, V) (the authors' released code)
+
+A predictor is an ONNX file written by `blockpilot train-predictor`. Its graph maps `features`
+`(B, F)` float32 (and `temperature` `(B, 1)` float32 when trained with it) to `probabilities`
+`(B, K)`; its `metadata_props` say which candidates, feature kind, width and models it belongs to.
+onnxruntime is imported only when a predictor is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from blockpilot.errors import UserError
+
+FEATURE_KINDS = ("pooled", "logits")
+PREDICTOR_FORMAT = "blockpilot-predictor"
+PREDICTOR_VERSION = 1
+FEATURES_INPUT = "features"
+TEMPERATURE_INPUT = "temperature"
+PROBABILITIES_OUTPUT = "probabilities"
+
+
+# ---------------------------------------------------------------- features (pure tensor math)
+
+
+def pooled_hidden_features(hidden: torch.Tensor) -> torch.Tensor:
+    """Final-layer hidden states `(B, P, H)` mean-pooled over the prompt -> `(B, H)` float32."""
+    return hidden.float().mean(dim=1)
+
+
+def last_logits_features(last_logits: torch.Tensor) -> torch.Tensor:
+    """Logits at the last prompt token `(B, V)` -> `(B, V)` float32 (used as they are)."""
+    return last_logits.float()
+
+
+def prefill_features(kind: str, hidden: torch.Tensor, last_logits: torch.Tensor) -> torch.Tensor:
+    """Predictor input `(B, F)` float32 of feature kind `kind` from one prefill's outputs.
+
+    Args:
+        kind: "pooled" or "logits".
+        hidden: `(B, P, H)` final-layer hidden states of the prompt (`PrefillOutput.hidden`).
+        last_logits: `(B, V)` logits at the last prompt position (`PrefillOutput.last_logits`).
+
+    Returns:
+        `(B, H)` for "pooled", `(B, V)` for "logits", on the CPU.
+    """
+    if kind == "pooled":
+        return pooled_hidden_features(hidden).cpu()
+    if kind == "logits":
+        return last_logits_features(last_logits).cpu()
+    raise ValueError(f"unknown feature kind {kind!r}; expected one of {FEATURE_KINDS}")
+
+
+def feature_width(kind: str, target_config) -> int:
+    """Width F of feature kind `kind` for a target with `target_config` (a `DecoderConfig`)."""
+    return target_config.hidden_size if kind == "pooled" else target_config.vocab_size
+
+
+def select_block_size(probabilities: torch.Tensor, candidates: torch.Tensor, fallback: int,
+                      threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block size per row: the most probable candidate, or `fallback` when it is not sure enough.
+
+    Args:
+        probabilities: `(B, K)` predictor output over `candidates`.
+        candidates: `(K,)` int64 block sizes, the predictor's classes in order.
+        fallback: block size used when a row's top probability is under `threshold`.
+        threshold: minimum top probability to follow the predictor.
+
+    Returns:
+        `(B,)` int64 chosen block sizes and `(B,)` float32 probabilities the predictor gave them
+        (0 for a fallback that is not one of its classes).
+    """
+    top_prob, top_index = probabilities.max(dim=-1)  # (B,), (B,)
+    confident = top_prob >= threshold
+    sizes = torch.where(confident, candidates[top_index], torch.full_like(top_index, fallback))
+    is_fallback = (candidates == fallback).to(probabilities.dtype)  # (K,)
+    fallback_prob = (probabilities * is_fallback).sum(dim=-1)  # (B,)
+    return sizes, torch.where(confident, top_prob, fallback_prob).float()
+
+
+# ---------------------------------------------------------------- model identity
+
+
+def model_files_sha256(model_dir: str | Path) -> str:
+    """SHA-256 over a model directory's weights (`*.safetensors`, sorted by name, name + bytes).
+
+    Only weights are hashed, so a re-saved config.json (other transformers version) keeps the hash.
+    Results are cached per (path, size, mtime) for this process.
+
+    Raises:
+        UserError: the directory has no safetensors weights.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir} has no *.safetensors weights to identify the model by; pass a model directory")
+    stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _hash_files(stats)
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_files(stats: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for path, _, _ in stats:
+        digest.update(Path(path).name.encode() + b"\0")
+        with open(path, "rb") as stream:
+            while chunk := stream.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- the ONNX policy
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizeChoice:
+    block_size: int
+    probability: float  # the predictor's probability of `block_size`
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictorInfo:
+    """What a predictor's `metadata_props` say about it."""
+
+    candidates: tuple[int, ...]
+    feature_kind: str
+    input_width: int
+    objective: str
+    b_train: int
+    with_temperature: bool
+    target_sha256: str
+    drafter_sha256: str
+    threshold: float
+
+    @classmethod
+    def from_metadata(cls, props: dict[str, str], source: str) -> "PredictorInfo":
+        if props.get("format") != PREDICTOR_FORMAT:
+            raise UserError(f"{source} is not a BlockPilot predictor (no '{PREDICTOR_FORMAT}' metadata); "
+                            "train one with `blockpilot train-predictor`")
+        if int(props.get("version", 0)) != PREDICTOR_VERSION:
+            raise UserError(f"{source} has predictor format version {props.get('version')}, this BlockPilot reads "
+                            f"{PREDICTOR_VERSION}; retrain it with `blockpilot train-predictor`")
+        return cls(
+            candidates=tuple(json.loads(props["candidates"])),
+            feature_kind=props["feature_kind"],
+            input_width=int(props["input_width"]),
+            objective=props["objective"],
+            b_train=int(props["b_train"]),
+            with_temperature=props["with_temperature"] == "true",
+            target_sha256=props["target_sha256"],
+            drafter_sha256=props["drafter_sha256"],
+            threshold=float(props.get("threshold", "0")),
+        )
+
+    def to_metadata(self) -> dict[str, str]:
+        """The `metadata_props` that `from_metadata` reads back (format and version included)."""
+        return {
+            "format": PREDICTOR_FORMAT, "version": str(PREDICTOR_VERSION),
+            "candidates": json.dumps(list(self.candidates)), "feature_kind": self.feature_kind,
+            "input_width": str(self.input_width), "objective": self.objective, "b_train": str(self.b_train),
+            "with_temperature": "true" if self.with_temperature else "false",
+            "target_sha256": self.target_sha256, "drafter_sha256": self.drafter_sha256,
+            "threshold": repr(self.threshold),
+        }
+
+
+class OnnxBlockSizePolicy:
+    """Scores prefill features with an ONNX predictor (one onnxruntime session) and picks a block size.
+
+    Args:
+        path: predictor `.onnx` written by `blockpilot train-predictor`.
+        threshold: follow the predictor only when its top probability is at least this; None uses
+            the threshold stored in the predictor (0 unless chosen at training).
+        fallback_block_size: block size when unsure, normally the drafter's B_train; None uses
+            the B_train stored in the predictor.
+    """
+
+    def __init__(self, path: str | Path, *, threshold: float | None = None,
+                 fallback_block_size: int | None = None):
+        self.path = Path(path)
+        self.session = _load_session(self.path)
+        props = dict(self.session.get_modelmeta().custom_metadata_map)
+        self.info = PredictorInfo.from_metadata(props, str(self.path))
+        self.threshold = self.info.threshold if threshold is None else float(threshold)
+        if not 0.0 <= self.threshold <= 1.0:
+            raise UserError(f"predictor threshold {self.threshold} is not a probability; use a value in [0, 1]")
+        self.fallback_block_size = fallback_block_size or self.info.b_train
+        self.candidates = self.info.candidates
+        self._candidates = torch.tensor(self.candidates, dtype=torch.int64)
+
+    def probabilities(self, features: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
+        """Predictor output `(B, K)` for features `(B, F)` (float32, CPU) at sampling `temperature`."""
+        inputs = {FEATURES_INPUT: features.float().contiguous().numpy()}
+        if self.info.with_temperature:
+            inputs[TEMPERATURE_INPUT] = torch.full((features.shape[0], 1), float(temperature)).numpy()
+        return torch.from_numpy(self.session.run([PROBABILITIES_OUTPUT], inputs)[0])
+
+    def select(self, hidden: torch.Tensor, last_logits: torch.Tensor, temperature: float = 0.0) -> BlockSizeChoice:
+        """Block size for one request from its prefill outputs.
+
+        Args:
+            hidden: `(1, P, H)` final-layer hidden states of the prompt.
+            last_logits: `(1, V)` logits at the last prompt position.
+            temperature: the request's sampling temperature (an input only for predictors trained with it).
+
+        Returns:
+            The chosen block size and the predictor's probability of it.
+        """
+        features = prefill_features(self.info.feature_kind, hidden, last_logits)  # (1, F)
+        sizes, probs = select_block_size(self.probabilities(features, temperature), self._candidates,
+                                         self.fallback_block_size, self.threshold)
+        return BlockSizeChoice(int(sizes[0]), float(probs[0]))
+
+    def check_fits(self, target_config, drafter_config, supports_block_size) -> None:
+        """Raise `UserError` unless the predictor's input width and classes fit this runner.
+
+        Args:
+            target_config: the target's `DecoderConfig`.
+            drafter_config: the drafter's `DrafterConfig`, or None without a drafter.
+            supports_block_size: the backend's `supports_block_size(int) -> bool`.
+        """
+        kind, width = self.info.feature_kind, self.info.input_width
+        expected = feature_width(kind, target_config)
+        if width != expected:
+            what = "hidden size" if kind == "pooled" else "vocabulary size"
+            raise UserError(f"predictor {self.path} expects {width}-wide {kind} features but the target's {what} "
+                            f"is {expected}; train a predictor for this target")
+        if drafter_config is None:
+            raise UserError(f"predictor {self.path} chooses block sizes {list(self.candidates)} but no drafter is "
+                            "loaded; pass the drafter it was trained with")
+        unsupported = [c for c in self.candidates if not supports_block_size(c)]
+        if unsupported:
+            raise UserError(f"predictor {self.path} may choose block size {unsupported[0]}, which this backend does "
+                            f"not support; use a predictor whose candidates it supports, or rebuild for them")
+
+    def check_models(self, target_dir: str | Path, drafter_dir: str | Path) -> None:
+        """Raise `UserError` unless `target_dir` and `drafter_dir` hold the models the predictor was trained for."""
+        for role, directory, expected in (("target", target_dir, self.info.target_sha256),
+                                          ("drafter", drafter_dir, self.info.drafter_sha256)):
+            actual = model_files_sha256(directory)
+            if actual != expected:
+                raise UserError(f"predictor {self.path} was trained for another {role} (weights sha256 "
+                                f"{expected[:12]}, {directory} has {actual[:12]}); train a predictor for this {role}")
+
+
+def load_policy(path: str | Path, backend, *, target_dir: str | Path, drafter_dir: str | Path | None,
+                threshold: float | None = None) -> OnnxBlockSizePolicy:
+    """An `OnnxBlockSizePolicy` checked against a runner's backend and model directories.
+
+    Args:
+        path: predictor `.onnx`.
+        backend: the runner's backend (`target_config`, `drafter_config`, `supports_block_size`).
+        target_dir, drafter_dir: the model directories the backend was loaded from.
+        threshold: see `OnnxBlockSizePolicy`.
+
+    Returns:
+        The policy, falling back to the drafter's B_train.
+    """
+    dc = backend.drafter_config
+    policy = OnnxBlockSizePolicy(path, threshold=threshold, fallback_block_size=dc.block_size if dc else None)
+    policy.check_fits(backend.target_config, dc, backend.supports_block_size)
+    policy.check_models(target_dir, drafter_dir)
+    return policy
+
+
+def _load_session(path: Path):
+    """An onnxruntime CPU session on one thread that does not spin (the decode loop owns the cores)."""
+    if not path.is_file():
+        raise UserError(f"predictor {path} not found; pass the .onnx written by `blockpilot train-predictor`")
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types for unreadable models
+        raise UserError(f"predictor {path} is not a readable ONNX model ({type(exc).__name__}); "
+                        "retrain it with `blockpilot train-predictor`") from None

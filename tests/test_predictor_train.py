@@ -1,0 +1,150 @@
+"""Predictor training: a separable dataset is learnt, the ONNX export matches torch, the report is right."""
+
+import json
+
+import pytest
+import torch
+
+from blockpilot import cli
+from blockpilot.predictor.export import export_predictor, onnx_torch_difference
+from blockpilot.predictor.labels import (
+    LABEL_FORMAT,
+    LABEL_VERSION,
+    load_label_dataset,
+    save_rows_atomic,
+    write_json_atomic,
+)
+from blockpilot.predictor.model import BlockSizeMLP, ProbabilityModel
+from blockpilot.predictor.report import report_paths
+from blockpilot.predictor.train import TrainSettings, train_predictor
+from blockpilot.runtime.policy import OnnxBlockSizePolicy
+
+CANDIDATES = (6, 7, 8, 9, 10)
+FAST = dict(hidden=32, max_epochs=80, patience=15)
+
+
+def write_dataset(path, n=240, width=16, seed=0, temperature=0.0, classes=None, target_sha="t" * 64,
+                  feature_classes=None):
+    """A label dataset whose best block size is a function of well-separated feature clusters
+    (the clusters of `feature_classes`, default: the rows' classes).
+
+    tau falls by 0.5 per step away from the row's class; candidate k costs (1 + 0.05 k) s a step.
+    Returns the rows' classes.
+    """
+    g = torch.Generator().manual_seed(seed)
+    k = len(CANDIDATES)
+    cls = torch.randint(0, k, (n,), generator=g) if classes is None else classes
+    centers = torch.randn(k, width, generator=torch.Generator().manual_seed(99)) * 3
+    pooled = centers[cls if feature_classes is None else feature_classes] + torch.randn(n, width, generator=g)
+    tau = 4.0 - 0.5 * (torch.arange(k)[None] - cls[:, None]).abs().double()
+    steps = torch.full((n, k), 10, dtype=torch.int64)
+    step_cost = 1 + 0.05 * torch.arange(k, dtype=torch.float64)
+    rows = {"pooled": pooled, "logits": torch.randn(n, 20, generator=g), "tau": tau, "steps": steps,
+            "accepted": (tau * 10).long(), "new_tokens": (tau * 10).long(),
+            "draft_s": (0.2 * step_cost * 10).expand(n, k).clone(),
+            "verify_s": (0.8 * step_cost * 10).expand(n, k).clone(),
+            "step_s": step_cost.expand(n, k).clone(), "prompt_tokens": torch.full((n,), 12, dtype=torch.int64)}
+    meta = {"format": LABEL_FORMAT, "version": LABEL_VERSION, "target_sha256": target_sha, "drafter_sha256": "d" * 64,
+            "candidates": list(CANDIDATES), "b_train": 8, "temperature": temperature}
+    write_json_atomic(meta, path / "meta.json")
+    save_rows_atomic([f"p{i}" for i in range(n)], rows, path / "labels.safetensors")
+    return cls
+
+
+def test_training_on_separable_features_reaches_high_test_accuracy_and_oracle_tau(tmp_path):
+    classes = write_dataset(tmp_path / "ds")
+    dataset = load_label_dataset(tmp_path / "ds")
+    assert torch.equal(dataset.labels("tau"), classes)
+    report = train_predictor([dataset], TrainSettings(**FAST), tmp_path / "p.onnx")
+    test = report["splits"]["test"]
+    assert report["evaluated_on"] == "test" and report["split_rows"] == {"train": 168, "val": 36, "test": 36}
+    assert test["accuracy"] > 0.95
+    confusion = test["confusion"]
+    assert sum(map(sum, confusion)) == 36 and sum(confusion[i][i] for i in range(5)) == round(36 * test["accuracy"])
+    assert test["tau"]["auto"] > test["tau"]["best_fixed"] and test["tau"]["regret"] < 0.05
+    test_rows = report_rows(report, "test", 240)
+    assert test["tau"]["fixed"]["8"] == pytest.approx(float(dataset.rows["tau"][test_rows][:, 2].mean()))
+    json_path, md_path = report_paths(tmp_path / "p.onnx")
+    assert json.loads(json_path.read_text())["splits"]["test"]["accuracy"] == test["accuracy"]
+    assert "| **auto** |" in md_path.read_text()
+
+
+def report_rows(report, split, n):
+    """The row indices of `split`, recomputed with the same seeded split."""
+    from blockpilot.predictor.train import split_indices
+
+    s = report["settings"]
+    train, val, test = split_indices(n, s["val_fraction"], s["test_fraction"], s["seed"])
+    return {"train": train, "val": val, "test": test}[split]
+
+
+def test_onnx_export_passes_the_checker_and_matches_torch_within_1e_5(tmp_path):
+    import onnx
+
+    torch.manual_seed(0)
+    mlp = BlockSizeMLP(24, 5, hidden=64, mean=torch.randn(24), std=torch.rand(24) + 0.1)
+    path = tmp_path / "m.onnx"
+    metadata = {"format": "blockpilot-predictor", "candidates": "[1]"}
+    assert export_predictor(mlp, path, metadata, torch.randn(8, 24)) <= 1e-5
+    onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path))
+    assert [i.name for i in model.graph.input] == ["features"]
+    assert [o.name for o in model.graph.output] == ["probabilities"]
+    assert {p.key: p.value for p in model.metadata_props}["candidates"] == "[1]"
+    fresh = torch.randn(37, 24) * 5  # another batch size than at export
+    assert onnx_torch_difference(path, ProbabilityModel(mlp), fresh) <= 1e-5
+
+
+def test_train_predictor_cli_stores_candidates_kind_width_objective_and_hashes(tmp_path, capsys):
+    write_dataset(tmp_path / "ds")
+    out = tmp_path / "pred.onnx"
+    assert cli.main(["train-predictor", "--dataset", str(tmp_path / "ds"), "--out", str(out), "--objective",
+                     "throughput", "--hidden", "32", "--max-epochs", "40", "--threshold", "0.3"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["accuracy"] > 0.9
+    info = OnnxBlockSizePolicy(out).info
+    assert info.candidates == CANDIDATES and info.feature_kind == "pooled" and info.input_width == 16
+    assert info.objective == "throughput" and info.target_sha256 == "t" * 64 and info.threshold == 0.3
+    assert not info.with_temperature
+
+
+def test_temperature_input_lets_one_predictor_serve_two_temperatures(tmp_path):
+    """Same features at both temperatures; the label is 6 at T = 0 and 10 at T = 1."""
+    n = 120
+    same = torch.full((n,), 2)
+    write_dataset(tmp_path / "t0", n=n, seed=1, temperature=0.0, classes=torch.zeros(n, dtype=torch.int64),
+                  feature_classes=same)
+    write_dataset(tmp_path / "t1", n=n, seed=1, temperature=1.0, classes=torch.full((n,), 4), feature_classes=same)
+    datasets = [load_label_dataset(tmp_path / "t0"), load_label_dataset(tmp_path / "t1")]
+    out = tmp_path / "t.onnx"
+    # identical features with opposite labels: only the temperature column separates them, which takes epochs
+    report = train_predictor(datasets, TrainSettings(with_temperature=True, hidden=32, max_epochs=300), out)
+    assert report["splits"]["test"]["accuracy"] > 0.95
+    policy = OnnxBlockSizePolicy(out)
+    features = datasets[0].rows["pooled"][:4]
+    assert policy.probabilities(features, temperature=0.0).argmax(1).tolist() == [0] * 4
+    assert policy.probabilities(features, temperature=1.0).argmax(1).tolist() == [4] * 4
+
+
+def test_train_predictor_bad_inputs_end_in_one_line_and_exit_2(tmp_path, capsys):
+    from fixtures import make_hf_target
+
+    write_dataset(tmp_path / "a")
+    write_dataset(tmp_path / "b", target_sha="0" * 64)
+    write_dataset(tmp_path / "small", n=5)
+    (tmp_path / "notes").mkdir()
+    base = ["train-predictor", "--out", str(tmp_path / "p.onnx"), "--hidden", "8", "--max-epochs", "2"]
+    target = make_hf_target(tmp_path, "llama")
+    capsys.readouterr()  # saving the fixture model prints progress
+    cases = [
+        (["--dataset", str(tmp_path / "a"), "--dataset", str(tmp_path / "b")], "datasets differ in target_sha256"),
+        (["--dataset", str(tmp_path / "a"), "--target", str(target)], "labelled with another target"),
+        (["--dataset", str(tmp_path / "small")], "has 5 labelled prompts"),
+        (["--dataset", str(tmp_path / "notes")], "is not a label dataset"),
+        (["--dataset", str(tmp_path / "a"), "--val-fraction", "0.9"], "fractions must be"),
+    ]
+    for extra, message in cases:
+        assert cli.main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "p.onnx").exists()
