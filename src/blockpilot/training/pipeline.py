@@ -15,6 +15,7 @@ from blockpilot.errors import UserError
 from blockpilot.models.checkpoint import load_target, save_drafter
 from blockpilot.models.config import DecoderConfig, DrafterConfig, check_drafter_fits_target, default_target_layer_ids
 from blockpilot.models.dflash import DFlashDrafter
+from blockpilot.text import load_tokenizer
 from blockpilot.training.data import read_answer_rows, regenerate_answers, tokenize_rows
 from blockpilot.training.features import extract_taps, load_feature_cache, save_feature_cache
 from blockpilot.training.objective import default_gamma
@@ -84,16 +85,14 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
     target_dir, mask_token_id = _resolve_target(args)
     if mask_token_id is None:
         raise UserError("--mask-token-id is required for this target: pick a special token it never uses")
-    from transformers import AutoTokenizer
-
     target = load_target(target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     config = drafter_config_for(target.config, block_size=args.block_size, layers=args.layers,
                                 taps=args.taps, mask_token_id=mask_token_id)
     check_drafter_fits_target(target.config, config, where="the requested drafter")
     work_dir = args.work_dir or args.out.with_name(args.out.name + ".work")
     work_dir.mkdir(parents=True, exist_ok=True)
     _check_resume_target(work_dir, target.config, args.resume)
+    tokenizer = load_tokenizer(target_dir)
     sequences, taps = _features(args, target, tokenizer, target_dir, work_dir, config.target_layer_ids)
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed)).tolist()
     items = [(sequences[i], taps[i]) for i in order]
