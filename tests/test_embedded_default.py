@@ -85,7 +85,7 @@ def test_resuming_with_a_target_the_drafter_was_not_trained_for_fails_cleanly(tm
     from blockpilot.cli import main
     from blockpilot.training.pipeline import drafter_config_for
 
-    from fixtures import hf_tiny_config, make_hf_target
+    from fixtures import make_hf_target
 
     small = make_hf_target(tmp_path, "llama")
     other = make_hf_target(tmp_path, "llama", seed=3, hidden_size=48, num_hidden_layers=6)
@@ -100,6 +100,7 @@ def test_resuming_with_a_target_the_drafter_was_not_trained_for_fails_cleanly(tm
     argv = ["train-drafter", "--target", str(other), "--out", str(tmp_path / "d"), "--answers",
             str(tmp_path / "a.jsonl"), "--time-budget", "1", "--mask-token-id", "3", "--work-dir",
             str(tmp_path / "work"), "--resume"]
+    capsys.readouterr()  # drop the fixture's progress output
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not fit the target" in err[0], err
