@@ -1,7 +1,8 @@
 """Acceptance length (tau) of a drafter at many block sizes on HumanEval / MT-Bench.
 
-T = 0: exact replay of greedy decoding (blockpilot.training.evaluate) over the target's own greedy
-answers, which are generated once (transformers, batched) and cached next to the output.
+T = 0: over the target's own greedy answers (generated once with transformers, batched, cached):
+anchored tau (a block at every answer position, one batched pass per size) at every block size,
+and exact replay of the greedy decode loop (blockpilot.training.evaluate) at a few sizes.
 T = 1: real speculative sampling through the Runner on a subsample of prompts.
 
     python scripts/eval_drafter.py --drafter DIR --datasets humaneval,mtbench --block-sizes 2-20 \
@@ -24,7 +25,7 @@ from blockpilot.models.checkpoint import load_drafter, load_target
 from blockpilot.runtime.runner import Runner
 from blockpilot.text import chat_prompt_ids
 from blockpilot.training.data import read_answer_rows, regenerate_answers
-from blockpilot.training.evaluate import mean_tau, replay_accept_lengths, sequence_taps
+from blockpilot.training.evaluate import anchored_tau, mean_tau, replay_accept_lengths, sequence_taps
 
 
 def parse_range(text: str) -> list[int]:
@@ -41,15 +42,25 @@ def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int
     return [dict(by_prompt[p.text], category=p.category) for p in prompts]
 
 
-def eval_t0(target, drafter, tokenizer, rows, block_sizes) -> dict:
-    steps = {b: [] for b in block_sizes}
-    for row in tqdm(rows, desc="replay T=0", unit="prompt"):
+def eval_t0(target, drafter, tokenizer, rows, block_sizes, replay_sizes, replay_prompts) -> dict:
+    """Anchored (simulated) tau at every size on all rows; exact replay at `replay_sizes` on a subset."""
+    anchored = {b: [] for b in block_sizes}
+    steps = {b: [] for b in replay_sizes}
+    for i, row in enumerate(tqdm(rows, desc="T=0", unit="prompt")):
         prompt = chat_prompt_ids(tokenizer, row["prompt"])
         ids = prompt + row["answer_ids"] + ([tokenizer.eos_token_id] if row["finish"] == "stop" else [])
         taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
         for b in block_sizes:
+            anchored[b].append(anchored_tau(target, drafter, ids, len(prompt), b, taps))
+        for b in replay_sizes if i < replay_prompts else ():
             steps[b].append(replay_accept_lengths(target, drafter, ids, len(prompt), b, taps))
-    return {b: mean_tau(s) for b, s in steps.items()}
+    return {"anchored": {b: _nanmean(v) for b, v in anchored.items()},
+            "replay": {b: mean_tau(s) for b, s in steps.items()}, "replay_prompts": min(replay_prompts, len(rows))}
+
+
+def _nanmean(values: list[float]) -> float:
+    kept = [v for v in values if v == v]
+    return sum(kept) / len(kept) if kept else float("nan")
 
 
 def eval_t1(runner, tokenizer, rows, block_sizes, n_prompts, max_new_tokens) -> dict:
@@ -71,6 +82,8 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="2-20")
     ap.add_argument("--limit", type=int, help="first N prompts per dataset at T=0")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--replay-block-sizes", default="16", help="exact replay sizes (subset of prompts)")
+    ap.add_argument("--replay-prompts", type=int, default=10)
     ap.add_argument("--t1-prompts", type=int, default=0, help="prompts per dataset at T=1 (0: skip)")
     ap.add_argument("--t1-max-new-tokens", type=int, default=64)
     ap.add_argument("--t1-block-sizes", help="default: --block-sizes")
@@ -92,7 +105,8 @@ def main() -> None:
         began = time.time()
         rows = greedy_rows(target_dir, dataset, args.answers_dir / f"{dataset}-greedy-{args.max_new_tokens}.jsonl",
                            args.max_new_tokens, args.limit)
-        entry = {"prompts_t0": len(rows), "tau_t0": eval_t0(target, drafter, tokenizer, rows, sizes)}
+        entry = {"prompts_t0": len(rows), "tau_t0": eval_t0(target, drafter, tokenizer, rows, sizes,
+                                                             parse_range(args.replay_block_sizes), args.replay_prompts)}
         if args.t1_prompts:
             entry.update(prompts_t1=min(args.t1_prompts, len(rows)), t1_max_new_tokens=args.t1_max_new_tokens,
                          tau_t1=eval_t1(runner, tokenizer, rows, t1_sizes, args.t1_prompts, args.t1_max_new_tokens))

@@ -15,6 +15,7 @@ import torch
 
 from blockpilot.models.decoder import Decoder, KVCache
 from blockpilot.models.dflash import DFlashDrafter
+from blockpilot.training.objective import Batch, block_forward, block_labels, simulated_tau
 
 
 @torch.inference_mode()
@@ -27,15 +28,22 @@ def sequence_taps(target: Decoder, ids: list[int], tap_layers) -> torch.Tensor:
 
 @torch.inference_mode()
 def replay_accept_lengths(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt_len: int,
-                          block_size: int, taps: torch.Tensor | None = None) -> list[int]:
-    """Tokens committed per step when greedily decoding `ids[prompt_len:]` at `block_size`."""
+                          block_size: int, taps: torch.Tensor | None = None,
+                          stop_at: int | None = None) -> list[int]:
+    """Tokens committed per step when greedily decoding `ids[prompt_len:]` at `block_size`.
+
+    `stop_at`: stop after the step that commits `ids[stop_at]` (default: the last id), as the runtime
+    stops at its token budget or end id; every step then sees its whole block when
+    `len(ids) >= stop_at + block_size - 1`.
+    """
     taps = sequence_taps(target, ids, drafter.config.target_layer_ids) if taps is None else taps
     y = torch.tensor(ids)
     n = len(ids)
     cache = KVCache.allocate(drafter.config.layers, 1, n + block_size, torch.float32)
     mask_embed = target.embed_tokens.weight[drafter.config.mask_token_id]
     pos, ctx_start, steps = prompt_len, 0, []  # y[pos] is committed; the block starts there
-    while pos < n - 1:
+    end = n - 1 if stop_at is None else min(stop_at, n - 1)
+    while pos < end:
         block = drafter.block_embeddings(target.embed_tokens(y[pos:pos + 1])[None], mask_embed, block_size)
         hidden = drafter(block, torch.arange(pos, pos + block_size), taps[:, ctx_start:pos],
                          torch.arange(ctx_start, pos), cache, pos)
@@ -53,3 +61,22 @@ def mean_tau(per_prompt_steps: list[list[int]]) -> float:
     """tau averaged per prompt, then over prompts (DFlash's convention)."""
     taus = [sum(s) / len(s) for s in per_prompt_steps if s]
     return sum(taus) / len(taus) if taus else float("nan")
+
+
+@torch.inference_mode()
+def anchored_tau(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt_len: int, block_size: int,
+                 taps: torch.Tensor) -> float:
+    """Simulated greedy tau: a block anchored at every answer position, all in one batched pass.
+
+    Each block's acceptance is 1 + its leading correct drafts (blocks whose whole window lies inside
+    the answer). It averages over all start positions, where decoding visits only the step starts;
+    `replay_accept_lengths` gives the exact trajectory and costs one drafter pass per step."""
+    n = len(ids)
+    anchors = torch.arange(prompt_len, n - block_size + 1)
+    if len(anchors) == 0:
+        return float("nan")
+    batch = Batch(torch.tensor([ids]), taps, torch.tensor([n]), anchors[None], torch.ones(1, len(anchors), dtype=torch.bool))
+    hidden = block_forward(drafter, target.embed_tokens.weight, batch, block_size)[:, 1:]
+    labels, valid = block_labels(batch, block_size)
+    correct = (target.lm_head(hidden).argmax(-1) == labels) & valid
+    return simulated_tau(correct, valid)

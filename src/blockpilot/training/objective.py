@@ -44,10 +44,13 @@ def sample_anchors(answer_start: int, length: int, count: int, generator: torch.
     return (pick + answer_start).sort().values
 
 
-def block_forward(drafter: DFlashDrafter, embed_weight: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Drafter hidden states `(N * A, B, H)` of every anchored block, after the final norm."""
+def block_forward(drafter: DFlashDrafter, embed_weight: torch.Tensor, batch: Batch,
+                  block_size: int | None = None) -> torch.Tensor:
+    """Drafter hidden states `(N * A, B, H)` of every anchored block, after the final norm.
+
+    `block_size` defaults to the drafter's training block size."""
     n, a = batch.anchors.shape
-    bsz = drafter.config.block_size
+    bsz = block_size or drafter.config.block_size
     seq_len = batch.ids.shape[1]
     offsets = torch.arange(bsz)
     block_pos = (batch.anchors[..., None] + offsets).reshape(n * a, bsz)  # (NA, B)
