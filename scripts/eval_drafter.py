@@ -42,7 +42,7 @@ def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int
     return [dict(by_prompt[p.text], category=p.category) for p in prompts]
 
 
-def eval_t0(target, drafter, tokenizer, rows, block_sizes, replay_sizes, replay_prompts) -> dict:
+def eval_t0(target, drafter, tokenizer, rows, block_sizes, replay_sizes, replay_prompts, stride) -> dict:
     """Anchored (simulated) tau at every size on all rows; exact replay at `replay_sizes` on a subset."""
     anchored = {b: [] for b in block_sizes}
     steps = {b: [] for b in replay_sizes}
@@ -51,7 +51,7 @@ def eval_t0(target, drafter, tokenizer, rows, block_sizes, replay_sizes, replay_
         ids = prompt + row["answer_ids"] + ([tokenizer.eos_token_id] if row["finish"] == "stop" else [])
         taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
         for b in block_sizes:
-            anchored[b].append(anchored_tau(target, drafter, ids, len(prompt), b, taps))
+            anchored[b].append(anchored_tau(target, drafter, ids, len(prompt), b, taps, stride))
         for b in replay_sizes if i < replay_prompts else ():
             steps[b].append(replay_accept_lengths(target, drafter, ids, len(prompt), b, taps))
     return {"anchored": {b: _nanmean(v) for b, v in anchored.items()},
@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--replay-block-sizes", default="16", help="exact replay sizes (subset of prompts)")
     ap.add_argument("--replay-prompts", type=int, default=10)
+    ap.add_argument("--anchor-stride", type=int, default=1, help="anchor every k-th answer position")
     ap.add_argument("--t1-prompts", type=int, default=0, help="prompts per dataset at T=1 (0: skip)")
     ap.add_argument("--t1-max-new-tokens", type=int, default=64)
     ap.add_argument("--t1-block-sizes", help="default: --block-sizes")
@@ -106,7 +107,8 @@ def main() -> None:
         rows = greedy_rows(target_dir, dataset, args.answers_dir / f"{dataset}-greedy-{args.max_new_tokens}.jsonl",
                            args.max_new_tokens, args.limit)
         entry = {"prompts_t0": len(rows), "tau_t0": eval_t0(target, drafter, tokenizer, rows, sizes,
-                                                             parse_range(args.replay_block_sizes), args.replay_prompts)}
+                                                             parse_range(args.replay_block_sizes), args.replay_prompts,
+                                                             args.anchor_stride), "anchor_stride": args.anchor_stride}
         if args.t1_prompts:
             entry.update(prompts_t1=min(args.t1_prompts, len(rows)), t1_max_new_tokens=args.t1_max_new_tokens,
                          tau_t1=eval_t1(runner, tokenizer, rows, t1_sizes, args.t1_prompts, args.t1_max_new_tokens))

@@ -65,14 +65,14 @@ def mean_tau(per_prompt_steps: list[list[int]]) -> float:
 
 @torch.inference_mode()
 def anchored_tau(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt_len: int, block_size: int,
-                 taps: torch.Tensor) -> float:
-    """Simulated greedy tau: a block anchored at every answer position, all in one batched pass.
+                 taps: torch.Tensor, stride: int = 1) -> float:
+    """Simulated greedy tau: a block anchored at every `stride`-th answer position, in one batched pass.
 
     Each block's acceptance is 1 + its leading correct drafts (blocks whose whole window lies inside
     the answer). It averages over all start positions, where decoding visits only the step starts;
     `replay_accept_lengths` gives the exact trajectory and costs one drafter pass per step."""
     n = len(ids)
-    anchors = torch.arange(prompt_len, n - block_size + 1)
+    anchors = torch.arange(prompt_len, n - block_size + 1, stride)
     if len(anchors) == 0:
         return float("nan")
     batch = Batch(torch.tensor([ids]), taps, torch.tensor([n]), anchors[None], torch.ones(1, len(anchors), dtype=torch.bool))
