@@ -7,6 +7,7 @@ Only the fields the networks need are kept; everything else in `config.json` is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -17,6 +18,17 @@ from blockpilot.errors import UserError
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 _ROPE_TYPES_FROM_TRANSFORMERS = ("linear", "llama3", "yarn", "longrope")
+
+
+@contextlib.contextmanager
+def _config_fields(source: str):
+    """Turn a missing or malformed field met while parsing `source` into a `UserError`."""
+    try:
+        yield
+    except KeyError as exc:
+        raise UserError(f"{source} has no {exc.args[0]!r} field; restore the complete config file") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"{source} has a malformed field ({exc}); restore the config file") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,35 +51,36 @@ class DecoderConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "DecoderConfig":
-        family = raw.get("model_type")
-        if family not in SUPPORTED_FAMILIES:
-            raise UserError(
-                f"{source}: model_type {family!r} is not supported; "
-                f"use a {', '.join(SUPPORTED_FAMILIES)} checkpoint"
+        with _config_fields(source):
+            family = raw.get("model_type")
+            if family not in SUPPORTED_FAMILIES:
+                raise UserError(
+                    f"{source}: model_type {family!r} is not supported; "
+                    f"use a {', '.join(SUPPORTED_FAMILIES)} checkpoint"
+                )
+            heads = int(raw["num_attention_heads"])
+            rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+            rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in ("default", *_ROPE_TYPES_FROM_TRANSFORMERS):
+                raise UserError(f"{source}: RoPE type {rope_type!r} is not supported")
+            return cls(
+                family=family,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=dict(rope, rope_type=rope_type) if rope_type != "default" else None,
+                attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             )
-        heads = int(raw["num_attention_heads"])
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", *_ROPE_TYPES_FROM_TRANSFORMERS):
-            raise UserError(f"{source}: RoPE type {rope_type!r} is not supported")
-        return cls(
-            family=family,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=dict(rope, rope_type=rope_type) if rope_type != "default" else None,
-            attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        )
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
         """Inverse RoPE frequencies `(head_dim // 2,)` and the cos/sin scaling factor."""
@@ -100,22 +113,23 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "DrafterConfig":
-        dflash = raw.get("dflash_config") or {}
-        missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
-        if missing or "block_size" not in raw:
-            raise UserError(
-                f"{source} is not a DFlash drafter config (missing "
-                f"{', '.join(missing + ([] if 'block_size' in raw else ['block_size']))}); "
-                "pass a z-lab-format drafter directory"
+        with _config_fields(source):
+            dflash = raw.get("dflash_config") or {}
+            missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
+            if missing or "block_size" not in raw:
+                raise UserError(
+                    f"{source} is not a DFlash drafter config (missing "
+                    f"{', '.join(missing + ([] if 'block_size' in raw else ['block_size']))}); "
+                    "pass a z-lab-format drafter directory"
+                )
+            layers = DecoderConfig.from_dict(raw, source)
+            return cls(
+                layers=dataclasses.replace(layers, qk_norm=True),
+                block_size=int(raw["block_size"]),
+                mask_token_id=int(dflash["mask_token_id"]),
+                target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
+                num_target_layers=int(raw.get("num_target_layers", 0)),
             )
-        layers = DecoderConfig.from_dict(raw, source)
-        return cls(
-            layers=dataclasses.replace(layers, qk_norm=True),
-            block_size=int(raw["block_size"]),
-            mask_token_id=int(dflash["mask_token_id"]),
-            target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
-            num_target_layers=int(raw.get("num_target_layers", 0)),
-        )
 
     def to_dict(self) -> dict:
         """The z-lab `config.json` layout."""
@@ -162,9 +176,12 @@ def read_config_json(model_dir: Path) -> dict:
     if not path.is_file():
         raise UserError(f"{path} is missing; pass a Hugging Face model directory")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path} is not valid JSON ({exc}); restore the file") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} is not a JSON object; restore the model's config.json")
+    return raw
 
 
 def check_drafter_fits_target(target: DecoderConfig, drafter: DrafterConfig, where: str = "drafter") -> None:

@@ -231,13 +231,10 @@ class Runner:
     # ---------------------------------------------------------------- the loop
 
     def _run_batch(self, prompts, max_new_tokens, end_id, params, generator, block_size, pad):
-        requests: list[RequestResult] = []
-        for ids in prompts:
-            request = RequestResult(input_ids=ids)
-            requests.append(request)
+        result = GenerationResult([RequestResult(input_ids=ids) for ids in prompts], max_new_tokens, pad)
+        for request in result.requests:  # filled in place, one request after another
             for _ in self._decode(request, max_new_tokens, end_id, params, generator, block_size):
-                yield GenerationResult(requests + [RequestResult(p) for p in prompts[len(requests):]],
-                                       max_new_tokens, pad)
+                yield result
 
     def _choose_block_size(self, request: RequestResult, block_size, prefill, temperature: float) -> int:
         if isinstance(block_size, int):

@@ -1,0 +1,214 @@
+"""`blockpilot generate`: speculative (or autoregressive) generation from text prompts.
+
+Text goes to stdout as tokens are committed; one line of statistics per prompt (tokens, tau,
+block size, tokens/s) goes to stderr. Every prompt is tokenized and checked against the cache
+capacity before the first one runs, so a bad prompt file fails before any output.
+
+Without `--target` the embedded SmolLM2-135M-Instruct is used, with the drafter (and block-size
+predictor) shipped for it when the package has them. Without a drafter, decoding is
+autoregressive (block size 1); with a predictor, the block size is chosen per prompt ("auto").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from blockpilot.errors import UserError
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text with DFlash speculative decoding",
+        description="Generate text for one prompt or a file of prompts with DFlash speculative decoding "
+        "(lossless: the output is distributed exactly as the target's own). Text streams to stdout; "
+        "tau and tokens/s go to stderr.",
+    )
+    p.add_argument("--target", type=Path, help="target model dir (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", type=Path,
+                   help="DFlash drafter dir (default: the shipped drafter for the embedded target; "
+                   "without one, decoding is autoregressive)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt")
+    source.add_argument("--prompts-file", type=Path,
+                        help='prompts: .jsonl with one {"prompt": ...} a line, else one prompt a line')
+    p.add_argument("--predictor", type=Path,
+                   help="block-size predictor (.onnx from train-predictor; default: the shipped one for the "
+                   "embedded target, if any)")
+    p.add_argument("--block-size", default=None,
+                   help="tokens per verify step, or 'auto' (predictor); default: 'auto' with a predictor, "
+                   "else the drafter's training size")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
+    p.add_argument("--seed", type=int, help="random seed for sampling (same seed, same output)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="feed the prompt as plain text even when the tokenizer has a chat template")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockpilot.runtime.runner import Runner
+
+    block_size = parse_block_size(args.block_size)
+    texts = read_prompts(args.prompt, args.prompts_file)
+    models = resolve_models(args.target, args.drafter, args.predictor)
+    runner = Runner.from_dir(models.target, drafter_dir=models.drafter, predictor=models.predictor)
+    tokenizer = load_tokenizer(models.target)
+    end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else runner.end_id
+    batch = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
+    # generate(streaming=True) checks its input before returning the (lazy) stream, so every
+    # prompt is validated here, before any text is written.
+    streams = [
+        runner.generate([ids], max_new_tokens=args.max_new_tokens, end_id=end_id, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, random_seed=args.seed, block_size=block_size,
+                        streaming=True, return_dict=True)
+        for ids in batch
+    ]
+    if models.note:
+        print(f"note: {models.note}", file=sys.stderr)
+    for number, (ids, stream) in enumerate(zip(batch, streams), 1):
+        stats = stream_text(stream, len(ids), tokenizer, sys.stdout)
+        print(f"[{number}/{len(batch)}] {stats}", file=sys.stderr, flush=True)
+    return 0
+
+
+def parse_block_size(value: str | None) -> int | str | None:
+    """`None`, `"auto"` or an int from the `--block-size` text; the runner checks the range."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"--block-size {value!r} is not an integer or 'auto'; pass e.g. --block-size 8") from None
+
+
+def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
+    """The prompt texts: `prompt`, or those of `prompts_file` (.jsonl objects, else one a line).
+
+    Raises:
+        UserError: a prompt is empty or whitespace, or the file is unreadable or has no prompts.
+    """
+    if prompts_file is None:
+        if not prompt or not prompt.strip():
+            raise UserError("the prompt is empty; pass some text with --prompt")
+        return [prompt]
+    if prompts_file.suffix == ".jsonl":
+        from blockpilot.assets.prompts import load_jsonl_prompts
+
+        return [p.text for p in load_jsonl_prompts(prompts_file)]
+    try:
+        lines = prompts_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read prompts file {prompts_file} ({_one_line(exc)}); check the path") from None
+    texts = [line for line in lines if line.strip()]
+    if not texts:
+        raise UserError(f"prompts file {prompts_file} has no prompts; write one prompt a line")
+    return texts
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    target: Path
+    drafter: Path | None
+    predictor: Path | None
+    note: str | None  # why decoding will be autoregressive, if it will
+
+
+def resolve_models(target: Path | None, drafter: Path | None, predictor: Path | None) -> Models:
+    """The model paths, with the embedded target and its shipped drafter and predictor filled in
+    when `target` is None."""
+    note = None
+    if target is None:
+        from blockpilot.assets import default_drafter_dir, default_predictor_path
+        from blockpilot.assets.smollm2 import smollm2_dir
+
+        target = smollm2_dir()
+        if drafter is None:
+            try:
+                drafter = default_drafter_dir()
+                predictor = predictor or default_predictor_path()
+            except UserError as exc:  # the package ships no drafter (yet)
+                note = f"{exc}; "
+    if drafter is None:
+        note = f"{note or ''}no drafter, decoding autoregressively (block size 1)"
+    return Models(target, drafter, predictor, note)
+
+
+def load_tokenizer(target_dir: Path):
+    """The target's Hugging Face tokenizer, read from `target_dir` only (never a hub)."""
+    if not any((Path(target_dir) / name).is_file() for name in _TOKENIZER_FILES):
+        raise UserError(f"{target_dir} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                        "save the tokenizer beside the model")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - the tokenizer files are the user's; any failure is theirs
+        raise UserError(f"cannot load the tokenizer in {target_dir} ({_one_line(exc)}); restore its files") from None
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of `text` as the user turn of the chat template (when there is one and `chat`)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+class TextStream:
+    """Turns a growing list of output tokens into text increments.
+
+    The whole output is decoded each time and the part not yet written is returned, except trailing
+    U+FFFD characters: those are an incomplete multi-token character, held back until its last token
+    arrives (or written as they are by `finish`, when the output ends inside one).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.written = ""
+
+    def update(self, tokens: list[int], final: bool = False) -> str:
+        """Text to write after `tokens` (all output tokens so far)."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if not final:
+            text = text.rstrip("\ufffd")
+        if len(text) <= len(self.written):
+            return ""
+        new, self.written = text[len(self.written):], text
+        return new
+
+
+def stream_text(stream, prompt_len: int, tokenizer, out) -> str:
+    """Write one request's text to `out` as it is committed; return its statistics line."""
+    text = TextStream(tokenizer)
+    start = time.perf_counter()
+    result = None
+    for result in stream:
+        length = int(result["sequence_lengths"][0, 0])
+        out.write(text.update(result["output_ids"][0, 0, prompt_len:length].tolist()))
+        out.flush()
+    wall = time.perf_counter() - start
+    tokens = result["output_ids"][0, 0, prompt_len:int(result["sequence_lengths"][0, 0])].tolist()
+    out.write(text.update(tokens, final=True) + "\n")
+    out.flush()
+    timing = result["timings"][0]
+    decode_s = timing["draft_s"] + timing["verify_s"]
+    steps = len(result["accept_lengths"][0])
+    return (
+        f"{len(tokens)} tokens, tau {result['tau'][0]:.2f} over {steps} steps, block size "
+        f"{result['block_sizes'][0]}, {len(tokens) / wall:.1f} tok/s "
+        f"({(len(tokens) - 1) / decode_s if decode_s else 0.0:.1f} tok/s after prefill {timing['prefill_s']:.2f} s)"
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

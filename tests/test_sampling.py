@@ -1,0 +1,290 @@
+"""Sampling and acceptance math on hand-checkable tensors, and the lossless property at T = 1:
+the first tokens of speculative sampling are distributed exactly as the target's own."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from blockpilot.runtime.backend import TorchBackend
+from blockpilot.runtime.runner import Runner
+from blockpilot.runtime.sampling import (
+    SamplingParams,
+    accepted_draft_counts,
+    committed_tokens,
+    logits_to_probs,
+    sample_tokens,
+)
+
+from fixtures import make_drafter, make_hf_target
+
+# ------------------------------------------------------------------ acceptance
+
+
+def test_accepted_draft_counts_full_zero_and_partial_rows():
+    draft = torch.tensor([[4, 5, 6, 7],  # all match
+                          [9, 5, 6, 7],  # first differs: nothing accepted
+                          [4, 5, 0, 7]])  # third differs; the later match does not count
+    posterior = torch.tensor([[4, 5, 6, 7, 8],
+                              [4, 5, 6, 7, 8],
+                              [4, 5, 6, 7, 8]])
+    assert accepted_draft_counts(draft, posterior).tolist() == [4, 0, 2]
+
+
+def test_accepted_draft_counts_with_an_empty_draft_is_zero():
+    assert accepted_draft_counts(torch.zeros((2, 0), dtype=torch.long), torch.tensor([[3], [1]])).tolist() == [0, 0]
+
+
+def test_committed_tokens_are_the_accepted_drafts_then_the_bonus_token():
+    draft = torch.tensor([[4, 5, 6], [9, 5, 6], [4, 5, 0]])
+    posterior = torch.tensor([[4, 5, 6, 1], [2, 5, 6, 1], [4, 5, 3, 1]])
+    accepted = accepted_draft_counts(draft, posterior)
+    assert accepted.tolist() == [3, 0, 2]
+    committed = committed_tokens(draft, posterior, accepted)
+    assert committed.shape == (3, 4)
+    assert committed[0].tolist() == [4, 5, 6, 1]  # full accept: bonus is the last posterior token
+    assert committed[1, :1].tolist() == [2]  # no accept: only the posterior's first token
+    assert committed[2, :3].tolist() == [4, 5, 3]  # two drafts, then the posterior at the mismatch
+
+
+# ------------------------------------------------------------------ temperature, top-k, top-p
+
+
+def probs_from(values: list[float]) -> torch.Tensor:
+    """Logits whose softmax at temperature 1 is `values`."""
+    return torch.tensor(values, dtype=torch.float64).log()
+
+
+def test_temperature_divides_logits_before_the_softmax():
+    logits = torch.tensor([0.0, math.log(2), math.log(4)])
+    hot = logits_to_probs(logits, SamplingParams(temperature=2.0))
+    cold = logits_to_probs(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(hot, torch.tensor([1, 2**0.5, 2]) / (3 + 2**0.5), atol=1e-6)
+    assert torch.allclose(cold, torch.tensor([1.0, 4, 16]) / 21, atol=1e-6)
+
+
+def test_top_k_keeps_exactly_the_k_most_likely_tokens():
+    probs = logits_to_probs(torch.tensor([1.0, 3.0, 2.0, 0.0]), SamplingParams(temperature=1.0, top_k=2))
+    e = math.e
+    assert torch.allclose(probs, torch.tensor([0.0, e / (e + 1), 1 / (e + 1), 0.0]), atol=1e-6)
+    everything = logits_to_probs(torch.tensor([1.0, 3.0, 2.0, 0.0]), SamplingParams(temperature=1.0, top_k=4))
+    assert (everything > 0).all()
+
+
+@pytest.mark.parametrize("top_p,kept", [
+    (0.3, [0, 0.5, 0, 0]),  # the top token alone already reaches 0.3
+    (0.6, [0, 0.5, 0, 0.25]),
+    (0.7, [0, 0.5, 0, 0.25]),  # 0.5 + 0.25 = 0.75 reaches 0.7: 0.15 is dropped
+    (0.8, [0, 0.5, 0.15, 0.25]),
+    (1.0, [0.1, 0.5, 0.15, 0.25]),
+])
+def test_top_p_keeps_the_smallest_most_likely_set_reaching_p(top_p, kept):
+    probs = logits_to_probs(probs_from([0.1, 0.5, 0.15, 0.25]), SamplingParams(temperature=1.0, top_p=top_p))
+    expected = torch.tensor(kept) / sum(kept)
+    assert torch.allclose(probs.float(), expected, atol=1e-6), probs
+
+
+def test_top_p_applies_to_the_top_k_renormalized_distribution():
+    # top-k 3 leaves 0.5, 0.25, 0.15 -> /0.9 = 0.556, 0.278, 0.167; top-p 0.8 then drops 0.167
+    probs = logits_to_probs(probs_from([0.1, 0.5, 0.15, 0.25]), SamplingParams(temperature=1.0, top_k=3, top_p=0.8))
+    assert torch.allclose(probs.float(), torch.tensor([0, 2 / 3, 0, 1 / 3]), atol=1e-6)
+
+
+def test_filtering_is_per_row_of_a_batch():
+    logits = torch.stack((probs_from([0.1, 0.5, 0.15, 0.25]), probs_from([0.7, 0.1, 0.1, 0.1])))
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    assert torch.allclose(probs.float(), torch.tensor([[0, 2 / 3, 0, 1 / 3], [1.0, 0, 0, 0]]), atol=1e-6)
+
+
+def test_temperature_zero_is_argmax_per_position():
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample_tokens(logits, SamplingParams()), logits.argmax(-1))
+
+
+def test_sampling_draws_follow_the_filtered_distribution_and_repeat_with_the_seed():
+    params = SamplingParams(temperature=1.0, top_k=3)
+    logits = probs_from([0.1, 0.5, 0.15, 0.25]).float().expand(4000, 4)  # 4000 rows, one draw each
+    draws = sample_tokens(logits, params, torch.Generator().manual_seed(3))
+    again = sample_tokens(logits, params, torch.Generator().manual_seed(3))
+    assert draws.shape == (4000,) and torch.equal(draws, again)
+    freq = torch.bincount(draws, minlength=4).double() / 4000
+    expected = torch.tensor([0.0, 0.5, 0.15, 0.25], dtype=torch.float64) / 0.9
+    assert freq[0] == 0  # filtered out: never drawn
+    assert ((freq - expected).abs() <= 4 * (expected * (1 - expected) / 4000).sqrt() + 1e-12).all(), freq
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)])
+def test_invalid_sampling_parameters_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+# ------------------------------------------------------------------ chi-square machinery
+
+CHI2_P = 0.001
+Z_999 = 3.090232306167813  # standard normal quantile at 1 - CHI2_P
+
+
+def chi2_critical(df: int) -> float:
+    """Upper `CHI2_P` critical value of chi-square with `df` degrees (Wilson-Hilferty)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + Z_999 * math.sqrt(a)) ** 3
+
+
+@pytest.mark.parametrize("df,table", [(10, 29.588), (50, 86.661), (100, 149.449), (200, 267.541)])
+def test_wilson_hilferty_matches_chi_square_tables(df, table):
+    assert abs(chi2_critical(df) - table) / table < 0.01
+
+
+def chi2_statistic(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom of `counts` against exact `probs` (same shape).
+
+    Cells expected to hold fewer than `min_expected` samples are pooled into one cell (merged with
+    the next-smallest cell if the pool is still below `min_expected`)."""
+    n = counts.sum().item()
+    expected, observed = (probs.flatten() * n).double(), counts.flatten().double()
+    order = expected.argsort()
+    expected, observed = expected[order], observed[order]
+    small = int((expected < min_expected).sum())
+    while small < len(expected) and 0 < expected[:small].sum() < min_expected:
+        small += 1
+    if small:
+        expected = torch.cat((expected[:small].sum()[None], expected[small:]))
+        observed = torch.cat((observed[:small].sum()[None], observed[small:]))
+    return float(((observed - expected) ** 2 / expected).sum()), len(expected) - 1
+
+
+# ------------------------------------------------------------------ T = 1 losslessness
+
+VOCAB, N_TOKENS, N_SAMPLES = 8, 3, 2000
+PROMPT = [5, 0, 7]
+
+
+class LookupDraftBackend(TorchBackend):
+    """Drafts from a table keyed by (block start, last token): a deterministic drafter, so
+    speculative sampling must stay exact. The tables hold the target's greedy continuation, so at
+    T = 1 a third to half of the drafts are accepted and the test exercises acceptance, bonus tokens
+    and rollback (and costs no drafter forward)."""
+
+    def __init__(self, target, drafter, tables: dict[int, dict[int, list[int]]]):
+        super().__init__(target, drafter)
+        self.tables = tables
+
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
+        proposal = self.tables.get(block_start, {}).get(int(last_tokens[0]), [0])
+        return torch.tensor([(proposal * block_size)[: block_size - 1]])  # (1, block_size - 1)
+
+
+def greedy_tables(joint: torch.Tensor) -> dict[int, dict[int, list[int]]]:
+    """Draft tables from the exact joint `(V, V, V)` of the first 3 tokens: after token 1 (block
+    start P) the greedy tokens 2 and 3; after token 2 alone (block start P + 1) the most likely
+    token 3 given token 2."""
+    n = len(PROMPT)
+    first = {}
+    for t1 in range(VOCAB):
+        g2 = int(joint[t1].sum(-1).argmax())
+        first[t1] = [g2, int(joint[t1, g2].argmax())]
+    second = {t2: [int(joint[:, t2].sum(0).argmax())] for t2 in range(VOCAB)}
+    return {n: first, n + 1: second}
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    """The backend and the exact joint distribution `(V, V, V)` of the first 3 tokens at T = 1."""
+    from blockpilot.models.checkpoint import load_drafter, load_target
+
+    tmp = tmp_path_factory.mktemp("tiny-vocab")
+    target = make_hf_target(tmp, "llama", vocab_size=VOCAB)
+    drafter = make_drafter(tmp, target, block_size=8)
+    joint = exact_joint(target, PROMPT)
+    return LookupDraftBackend(load_target(target), load_drafter(drafter), greedy_tables(joint)), joint
+
+
+def exact_joint(target_dir, prompt: list[int]) -> torch.Tensor:
+    """`p[t1, t2, t3]` from the transformers model, enumerating all V^2 two-token prefixes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))  # (V^2, 2)
+    ids = torch.cat((torch.tensor(prompt).expand(len(pairs), -1), pairs), dim=1)
+    with torch.no_grad():
+        probs = model(ids).logits.double().softmax(-1)  # (V^2, P + 2, V)
+    n = len(prompt)
+    p1 = probs[0, n - 1]  # (V,)
+    p2 = probs[::VOCAB, n]  # (V, V): row t1
+    p3 = probs[:, n + 1].reshape(VOCAB, VOCAB, VOCAB)  # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def runner_first_tokens(backend, block_size: int, temperature: float = 1.0, seed: int = 0):
+    """Counts `(V, V, V)` of the first 3 tokens over N_SAMPLES runs, and the accept lengths."""
+    runner = Runner(backend)
+    counts = torch.zeros(VOCAB**N_TOKENS, dtype=torch.long)
+    accept_lengths = []
+    prompt = [torch.tensor(PROMPT)]
+    for i in range(N_SAMPLES):
+        out = runner.generate(prompt, max_new_tokens=N_TOKENS, end_id=-1, temperature=temperature,
+                              random_seed=seed * N_SAMPLES + i, block_size=block_size, return_dict=True)
+        t1, t2, t3 = out["output_ids"][0, 0, len(PROMPT):].tolist()
+        counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+        accept_lengths += out["accept_lengths"][0]
+    return counts.reshape(VOCAB, VOCAB, VOCAB), accept_lengths
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8])
+def test_speculative_sampling_at_t1_matches_the_exact_target_distribution(tiny_vocab, block_size):
+    backend, joint = tiny_vocab
+    counts, accept_lengths = runner_first_tokens(backend, block_size, seed=block_size)
+    stat, df = chi2_statistic(counts, joint)
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+    # the test exercised acceptance: one draft (a >= 2) and two drafts + bonus (a >= 3) accepted
+    assert (sum(a >= 2 for a in accept_lengths) > N_SAMPLES // 5) == (block_size >= 2)
+    assert (sum(a >= 3 for a in accept_lengths) > N_SAMPLES // 20) == (block_size >= 3)
+
+
+def test_sampling_at_the_wrong_temperature_fails_the_same_test(tiny_vocab):
+    backend, joint = tiny_vocab
+    counts, _ = runner_first_tokens(backend, block_size=4, temperature=0.7, seed=99)
+    stat, df = chi2_statistic(counts, joint)
+    assert stat > chi2_critical(df)
+
+
+def test_acceptance_without_the_residual_distribution_fails_the_same_test(tiny_vocab):
+    """A classic speculative-sampling bug: accept a draft token with probability p(draft), and on
+    rejection sample from p itself instead of p without the draft token. Drafts are then
+    over-represented; the chi-square test must see it."""
+    backend, joint = tiny_vocab
+    generator = torch.Generator().manual_seed(5)
+    counts = torch.zeros(VOCAB**N_TOKENS, dtype=torch.long)
+    for _ in range(N_SAMPLES):
+        t1, t2, t3 = biased_first_tokens(backend, block_size=4, generator=generator)
+        counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+    stat, df = chi2_statistic(counts.reshape(VOCAB, VOCAB, VOCAB), joint)
+    assert stat > chi2_critical(df)
+
+
+def biased_first_tokens(backend, block_size: int, generator: torch.Generator) -> list[int]:
+    """The first 3 tokens from the biased rule above (one request, same backend calls as the runner)."""
+    params = SamplingParams(temperature=1.0)
+    state = backend.new_state(1, 32)
+    prefill = backend.prefill(state, torch.tensor([PROMPT]))
+    tokens = [int(sample_tokens(prefill.last_logits, params, generator))]
+    taps, ctx_start = prefill.taps, 0
+    while len(tokens) < N_TOKENS:
+        pos, last = len(PROMPT) + len(tokens) - 1, torch.tensor([tokens[-1]])
+        draft = backend.draft(state, last, taps, ctx_start, pos, block_size)  # (1, K - 1)
+        ctx_start += taps.shape[1]
+        verify = backend.verify(state, torch.cat((last[:, None], draft), dim=1), pos)
+        probs = logits_to_probs(verify.logits[0], params)  # (K, V)
+        kept = 0
+        for i, d in enumerate(draft[0].tolist()):
+            if torch.rand((), generator=generator) >= probs[i, d]:
+                break
+            tokens.append(d)
+            kept += 1
+        tokens.append(int(torch.multinomial(probs[kept], 1, generator=generator)))  # wrong: not the residual
+        taps = verify.taps[:, : kept + 1]
+    return tokens[:N_TOKENS]
