@@ -17,7 +17,15 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--target", type=Path, help="target model dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", type=Path, help="DFlash drafter dir (default: the embedded drafter)")
-    p.add_argument("--prompts", type=Path, required=True, help="JSONL file, one {\"prompt\": ...} a line")
+    p.add_argument("--prompts", type=Path, help="JSONL file, one {\"prompt\": ...} a line")
+    p.add_argument("--replay-answers", type=Path, metavar="FILE",
+                   help="instead of --prompts, at --temperature 0: a JSONL file of prompts with the target's "
+                   "greedy answers ({\"prompt\", \"answer_ids\" or \"answer\", \"finish\"}); tau is replayed "
+                   "exactly with drafter passes only, step times come from a short calibration")
+    p.add_argument("--calibration-prompts", type=int, default=4,
+                   help="replay: time draft + verify on this many prompts (default 4)")
+    p.add_argument("--calibration-reps", type=int, default=5, help="replay: timed rounds per prompt (default 5)")
+    p.add_argument("--note", default="", help="free text stored in the dataset's meta.json")
     p.add_argument("--candidates", help="block sizes: a range like 14-18 or a list like 14,16,18 "
                    "(default: the drafter's block size +- 2)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -45,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         candidates=parse_candidates(args.candidates) if args.candidates else None,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         limit=args.limit, seed=args.seed, backend=args.backend, device=args.device,
-        chat_template=not args.no_chat_template, clock=args.clock,
+        chat_template=not args.no_chat_template, clock=args.clock, replay_answers=args.replay_answers,
+        calibration_prompts=args.calibration_prompts, calibration_reps=args.calibration_reps, note=args.note,
     )
     print(json.dumps(run_label_job(job)))
     return 0

@@ -2,7 +2,9 @@
 
 Prompts come from a JSONL file (`blockpilot.assets.prompts.load_jsonl_prompts`) and are tokenized
 with the target's tokenizer and its chat template when it has one. The dataset layout and the
-labelling itself are in `blockpilot.predictor.labels`.
+labelling itself are in `blockpilot.predictor.labels`. With `replay_answers` (T = 0 only) the
+prompts and their greedy answers come from one answers file and are labelled by exact replay with
+calibrated step times (`blockpilot.predictor.replay`) instead of decoding every candidate.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class LabelJob:
 
     target: Path
     drafter: Path
-    prompts: Path
+    prompts: Path | None  # None with `replay_answers`: the prompts are that file's rows
     out: Path
     candidates: tuple[int, ...] | None = None
     temperature: float = 0.0
@@ -35,6 +37,10 @@ class LabelJob:
     chat_template: bool = True
     clock: str = "wall"  # "wall": time.perf_counter; "cpu": time.process_time (robust to other processes)
     progress: bool = True
+    replay_answers: Path | None = None  # answers JSONL: label by T = 0 replay (see blockpilot.predictor.replay)
+    calibration_prompts: int = 4  # replay: prompts and timed rounds of the step-time calibration
+    calibration_reps: int = 5
+    note: str = ""  # free text kept in meta.json (e.g. where the prompts come from)
 
 
 def parse_candidates(text: str) -> tuple[int, ...]:
@@ -62,41 +68,105 @@ def default_candidates(b_train: int, radius: int = 2) -> tuple[int, ...]:
 
 
 def run_label_job(job: LabelJob) -> dict:
-    """Label `job.prompts` into `job.out` (resuming it) and summarise the dataset.
+    """Label `job.prompts` (or the rows of `job.replay_answers`) into `job.out` (resuming it) and summarise it.
 
     Returns:
         {"rows", "labelled_now", "skipped_too_long", "candidates", "mean_tau", "tau_labels"}.
 
     Raises:
         UserError: empty or bad prompt file, models without a tokenizer, unsupported candidates,
-            or an existing dataset labelled with other models or settings.
+            replay at a temperature other than 0, or an existing dataset labelled with other models
+            or settings.
     """
-    from blockpilot.runtime.policy import model_files_sha256
     from blockpilot.runtime.runner import Runner
 
-    prompts = _load_prompts(job.prompts, job.limit)
+    _check_source(job)
+    prompts = _load_prompts(job.replay_answers or job.prompts, job.limit)
     tokenizer = _load_tokenizer(job.target)
+    hints = _load_hints(job.replay_answers, tokenizer)
     largest = max(job.candidates) if job.candidates else None
     runner = Runner.from_dir(job.target, drafter_dir=job.drafter, backend=job.backend, device=job.device,
                              max_block_size=largest)
     runner.clock = _clock(job.clock)
     settings = _settings(job, runner.backend)
-    meta = {
-        "format": LABEL_FORMAT, "version": LABEL_VERSION, "target": str(job.target), "drafter": str(job.drafter),
-        "target_sha256": model_files_sha256(job.target), "drafter_sha256": model_files_sha256(job.drafter),
-        **dataclasses.asdict(settings), "backend": runner.backend.name, "device": job.device, "dtype": "float32",
-        "clock": job.clock,
-        "chat_template": job.chat_template and bool(getattr(tokenizer, "chat_template", None)),
-        "prompts_file": str(job.prompts),
-        "feature_widths": {"pooled": runner.backend.target_config.hidden_size,
-                           "logits": runner.backend.target_config.vocab_size},
-    }
-    done = prepare_dataset_dir(job.out, meta)
-    todo, too_long = _encode_todo(prompts, done, tokenizer, meta["chat_template"], settings, runner.backend)
+    meta = _meta(job, runner.backend, settings, tokenizer)
+    encoded, too_long = _encode_todo(prompts, set(), tokenizer, meta["chat_template"], settings, runner.backend)
     if too_long:
         print(f"label: skipping {too_long} prompts longer than the cache allows", file=sys.stderr)
-    rows = label_prompts(runner, todo, settings, job.out, progress=job.progress)
+    if job.replay_answers:
+        meta["calibration"] = _calibration(job, runner, settings, [ids for _, _, ids in encoded])
+    done = prepare_dataset_dir(job.out, meta)
+    todo = [item for item in encoded if item[1] not in done]
+    if job.replay_answers:
+        from blockpilot.predictor.replay import replay_label_prompts
+
+        rows = replay_label_prompts(runner.backend, todo, hints, settings, runner.end_id, meta["calibration"],
+                                    job.out, progress=job.progress)
+    else:
+        rows = label_prompts(runner, todo, settings, job.out, progress=job.progress)
     return _summary(job.out, rows, len(todo), too_long)
+
+
+def _check_source(job: LabelJob) -> None:
+    """Exactly one prompt source; replay only where it is exact (T = 0, the torch backend)."""
+    if job.prompts is not None and job.replay_answers is not None:
+        raise UserError("pass --prompts or --replay-answers, not both")
+    if job.prompts is None and job.replay_answers is None:
+        raise UserError("pass --prompts FILE (decode every candidate) or --replay-answers FILE (T = 0 replay)")
+    if job.replay_answers is None:
+        return
+    if job.temperature != 0:
+        raise UserError(f"--replay-answers is exact only at --temperature 0 (got {job.temperature}); "
+                        "label sampled decoding with --prompts")
+    if job.backend != "torch":
+        raise UserError(f"--replay-answers replays the torch models; use --backend torch (got {job.backend!r})")
+    if job.calibration_prompts < 1 or job.calibration_reps < 1:
+        raise UserError("--calibration-prompts and --calibration-reps must be >= 1")
+
+
+def _meta(job: LabelJob, backend, settings: LabelSettings, tokenizer) -> dict:
+    """meta.json of the dataset (see `labels.RESUME_KEYS` for what a resumed run must agree on)."""
+    from blockpilot.runtime.policy import model_files_sha256
+
+    replay = job.replay_answers is not None
+    return {
+        "format": LABEL_FORMAT, "version": LABEL_VERSION, "target": str(job.target), "drafter": str(job.drafter),
+        "target_sha256": model_files_sha256(job.target), "drafter_sha256": model_files_sha256(job.drafter),
+        **dataclasses.asdict(settings), "backend": backend.name, "device": job.device, "dtype": "float32",
+        "clock": job.clock,
+        "chat_template": job.chat_template and bool(getattr(tokenizer, "chat_template", None)),
+        "prompts_file": str(job.replay_answers or job.prompts),
+        "labels_from": "replay" if replay else "decoding",
+        "step_time_source": "calibrated" if replay else "measured",
+        "feature_widths": {"pooled": backend.target_config.hidden_size, "logits": backend.target_config.vocab_size},
+        **({"note": job.note} if job.note else {}),
+    }
+
+
+def _load_hints(answers: Path | None, tokenizer) -> list[list[int]] | None:
+    """Answer ids per prompt of a replay answers file (None without one)."""
+    if answers is None:
+        return None
+    from blockpilot.predictor.replay import load_answer_hints
+
+    return load_answer_hints(answers, tokenizer)
+
+
+def _calibration(job: LabelJob, runner, settings: LabelSettings, encoded: list[list[int]]) -> dict | None:
+    """The step-time calibration of an existing dataset (kept, so its rows stay comparable; None when it
+    has none, and `prepare_dataset_dir` then refuses it), or a new one timed on the first
+    `job.calibration_prompts` prompts for a new dataset."""
+    from blockpilot.predictor.labels import read_meta
+    from blockpilot.predictor.replay import calibrate_step_times
+
+    if job.out.exists() and any(job.out.iterdir()):
+        existing = read_meta(job.out)
+        return existing.get("calibration") if existing else None
+    if not encoded:
+        raise UserError("no prompt is short enough to calibrate step times on; lower --max-new-tokens")
+    print(f"label: timing draft + verify on {min(len(encoded), job.calibration_prompts)} prompts", file=sys.stderr)
+    return calibrate_step_times(runner.backend, encoded[:job.calibration_prompts], settings.candidates,
+                                job.calibration_reps, runner.clock)
 
 
 def _clock(name: str):

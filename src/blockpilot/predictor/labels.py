@@ -13,6 +13,9 @@ Row tensors (N prompts, K candidates): `pooled` (N, H) and `logits` (N, V) float
 features (`blockpilot.runtime.policy`), `tau` (N, K) float64 mean acceptance length, `steps`,
 `accepted` (sum of acceptance lengths) and `new_tokens` (N, K) int64, `draft_s` and `verify_s`
 (N, K) float64 seconds, `step_s` (N, K) their sum per decode step, `prompt_tokens` (N,) int64.
+Step times are measured per row while decoding (meta `step_time_source` "measured"), or, for
+T = 0 replay datasets (`blockpilot.predictor.replay`), steps x per-call medians of a calibration
+stored in meta `calibration` ("calibrated").
 
 Label objectives (chosen at training time, both computed from the dataset):
     tau         argmax of tau over candidates (the paper's labels)
@@ -48,7 +51,8 @@ META = "meta.json"
 PARTS = "parts"
 # meta.json fields that must agree for a resumed run to append to the same dataset
 RESUME_KEYS = ("format", "version", "target_sha256", "drafter_sha256", "candidates", "b_train", "temperature",
-               "top_k", "top_p", "max_new_tokens", "backend", "dtype", "seed", "chat_template", "clock")
+               "top_k", "top_p", "max_new_tokens", "backend", "dtype", "seed", "chat_template", "clock",
+               "step_time_source")
 
 
 @dataclasses.dataclass(frozen=True)
