@@ -177,7 +177,7 @@ def tiny_models():
 def encode(target_dir: Path, texts) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from blockpilot.commands.generate import encode_prompt
+    from blockpilot.text import chat_prompt_ids as encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     return [encode_prompt(tokenizer, text) for text in texts]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from blockpilot.cli import main
-from blockpilot.commands.generate import TextStream, encode_prompt
+from blockpilot.commands.generate import TextStream
+from blockpilot.text import chat_prompt_ids as encode_prompt
 from blockpilot.runtime.runner import Runner
 
 from cli_fixtures import IM_END, byte_tokenizer, make_chat_target
@@ -67,7 +68,7 @@ def test_chat_template_is_applied_unless_disabled(tokenizer):
     chat = encode_prompt(tokenizer, "hi")
     assert chat == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                                  tokenize=True)["input_ids"]
-    assert encode_prompt(tokenizer, "hi", chat=False) == [ord("h"), ord("i")]
+    assert encode_prompt(tokenizer, "hi", use_chat_template=False) == [ord("h"), ord("i")]
 
 
 def test_cli_streams_the_runners_greedy_text_for_every_block_size(models, tokenizer, capsys):
@@ -86,7 +87,7 @@ def test_cli_streams_the_runners_greedy_text_for_every_block_size(models, tokeni
 
 
 def test_no_chat_template_feeds_the_plain_prompt(models, tokenizer, capsys):
-    expected = runner_text(models, tokenizer, encode_prompt(tokenizer, PROMPT, chat=False), max_new_tokens=20,
+    expected = runner_text(models, tokenizer, encode_prompt(tokenizer, PROMPT, use_chat_template=False), max_new_tokens=20,
                            block_size=4)
     out, _ = run_cli(["generate", "--target", models[0], "--drafter", models[1], "--prompt", PROMPT,
                       "--max-new-tokens", 20, "--block-size", 4, "--no-chat-template"], capsys)

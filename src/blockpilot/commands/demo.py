@@ -39,11 +39,13 @@ def _timed(runner, ids, max_new_tokens, block_size):
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockpilot.commands.generate import load_runner
+    from blockpilot.commands.generate import resolve_models
+    from blockpilot.runtime.runner import Runner
     from blockpilot.text import chat_prompt_ids, load_tokenizer
 
-    runner, target_dir = load_runner(args.target, args.drafter)
-    tokenizer = load_tokenizer(target_dir)
+    models = resolve_models(args.target, args.drafter, None)
+    runner = Runner.from_dir(models.target, drafter_dir=models.drafter, predictor=models.predictor)
+    tokenizer = load_tokenizer(models.target)
     block_size = int(args.block_size) if args.block_size and args.block_size.isdigit() else args.block_size
     prompts = [chat_prompt_ids(tokenizer, text) for _, text in DEMO_PROMPTS]
     _timed(runner, prompts[0], 8, block_size)  # warm-up, not reported

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from blockpilot.errors import UserError
+from blockpilot.text import chat_prompt_ids, load_tokenizer, one_line
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def add_parser(subparsers) -> None:
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     runner = Runner.from_dir(models.target, drafter_dir=models.drafter, predictor=models.predictor)
     tokenizer = load_tokenizer(models.target)
     end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else runner.end_id
-    batch = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
+    batch = [chat_prompt_ids(tokenizer, text, not args.no_chat_template) for text in texts]
     # generate(streaming=True) checks its input before returning the (lazy) stream, so every
     # prompt is validated here, before any text is written.
     streams = [
@@ -107,7 +107,7 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
     try:
         lines = prompts_file.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read prompts file {prompts_file} ({_one_line(exc)}); check the path") from None
+        raise UserError(f"cannot read prompts file {prompts_file} ({one_line(exc)}); check the path") from None
     texts = [line for line in lines if line.strip()]
     if not texts:
         raise UserError(f"prompts file {prompts_file} has no prompts; write one prompt a line")
@@ -140,28 +140,6 @@ def resolve_models(target: Path | None, drafter: Path | None, predictor: Path | 
     if drafter is None:
         note = f"{note or ''}no drafter, decoding autoregressively (block size 1)"
     return Models(target, drafter, predictor, note)
-
-
-def load_tokenizer(target_dir: Path):
-    """The target's Hugging Face tokenizer, read from `target_dir` only (never a hub)."""
-    if not any((Path(target_dir) / name).is_file() for name in _TOKENIZER_FILES):
-        raise UserError(f"{target_dir} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
-                        "save the tokenizer beside the model")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - the tokenizer files are the user's; any failure is theirs
-        raise UserError(f"cannot load the tokenizer in {target_dir} ({_one_line(exc)}); restore its files") from None
-
-
-def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
-    """Token ids of `text` as the user turn of the chat template (when there is one and `chat`)."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
 class TextStream:
@@ -208,7 +186,3 @@ def stream_text(stream, prompt_len: int, tokenizer, out) -> str:
         f"{result['block_sizes'][0]}, {len(tokens) / wall:.1f} tok/s "
         f"({(len(tokens) - 1) / decode_s if decode_s else 0.0:.1f} tok/s after prefill {timing['prefill_s']:.2f} s)"
     )
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from blockpilot.errors import UserError
+from blockpilot.text import load_tokenizer
 from blockpilot.predictor.labels import LABEL_FORMAT, LABEL_VERSION, LabelSettings, label_prompts, prepare_dataset_dir
 
 
@@ -82,7 +83,7 @@ def run_label_job(job: LabelJob) -> dict:
 
     _check_source(job)
     prompts = _load_prompts(job.replay_answers or job.prompts, job.limit)
-    tokenizer = _load_tokenizer(job.target)
+    tokenizer = load_tokenizer(job.target)
     hints = _load_hints(job.replay_answers, tokenizer)
     largest = max(job.candidates) if job.candidates else None
     runner = Runner.from_dir(job.target, drafter_dir=job.drafter, backend=job.backend, device=job.device,
@@ -192,16 +193,6 @@ def _load_prompts(path: Path, limit: int | None):
             raise UserError(f"{path}: prompt id {prompt.id!r} occurs twice; give every prompt its own id")
         seen.add(prompt.id)
     return prompts
-
-
-def _load_tokenizer(target: Path):
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any((Path(target) / name).is_file() for name in names):
-        raise UserError(f"{target} has no tokenizer files ({', '.join(names)}); "
-                        "pass a target directory with its tokenizer")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(target))
 
 
 def _settings(job: LabelJob, backend) -> LabelSettings:

@@ -11,8 +11,8 @@ import dataclasses
 from pathlib import Path
 
 from blockpilot.errors import UserError
+from blockpilot.text import chat_prompt_ids, load_tokenizer  # noqa: F401 - load_tokenizer re-exported
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,35 +23,6 @@ class Request:
     dataset: str
     category: str
     input_ids: tuple[int, ...]
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The transformers tokenizer saved in `model_dir`.
-
-    Raises:
-        UserError: the directory holds no tokenizer files.
-    """
-    from transformers import AutoTokenizer
-
-    model_dir = Path(model_dir)
-    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
-        raise UserError(
-            f"{model_dir} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); profile needs the target's "
-            "tokenizer: pass --target with a Hugging Face directory that has one"
-        )
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` as a user turn (chat template with generation prompt), or plain
-    tokenization when the tokenizer has no chat template."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer(text)["input_ids"]]
 
 
 def load_requests(datasets: list[str], tokenizer, limit: int | None = None) -> list[Request]:
@@ -74,7 +45,7 @@ def load_requests(datasets: list[str], tokenizer, limit: int | None = None) -> l
     for name in datasets:
         label = name if name in DATASET_NAMES else Path(name).stem
         for prompt in load_dataset(name)[:limit]:
-            ids = encode_prompt(tokenizer, prompt.text)
+            ids = chat_prompt_ids(tokenizer, prompt.text)
             if not ids:
                 raise UserError(f"prompt {prompt.id} of {name} tokenizes to nothing; remove it")
             requests.append(Request(prompt.id, label, prompt.category, tuple(ids)))

@@ -1,0 +1,271 @@
+"""ONNX export of the target and the drafter with static-capacity KV caches as graph inputs/outputs.
+
+`models/` knows nothing about ONNX; the flat-signature wrappers here call its modules and fix
+the graph contract that onnxruntime, TensorRT and the tests share (`GraphSpec`). Shapes:
+`b` batch, `T` query tokens, `L` logit rows, `cap` cache capacity, `n` new context positions,
+`K` block size, `H` hidden, `tH` taps x H, `V` vocab, `nkv`/`hd` KV heads and head dim.
+
+Target graph (`target.onnx`):
+    inputs   input_ids (b, T) int64, positions (T,) int64 (contiguous), logits_index (L,) int64,
+             past_key_i / past_value_i (b, nkv, cap, hd) for every layer i
+    outputs  logits (b, L, V) at rows `logits_index` of the T queries, taps (b, T, tH),
+             hidden (b, T, H) after the final norm, present_key_i / present_value_i
+The query at `positions[t]` attends over every cache index <= it (the whole capacity is in the
+graph; stale entries beyond the positions are masked out). New K/V are written at `positions`.
+
+Drafter graph (`drafter.onnx`): embedding, DFlash layers, the target's lm_head and argmax.
+    inputs   last_token (b, 1) int64, block_positions (K,) int64, context_taps (b, n, tH),
+             context_positions (n,) int64 (contiguous; n >= 1: the decode loop always commits
+             at least one token), context_length (1,) int64,
+             past_key_i / past_value_i (b, nkv, cap, hd) of the drafter's context cache
+    outputs  draft_ids (b, K - 1) int64 (greedy, block slots 1..K-1), present_key_i / present_value_i
+The block `[last_token, MASK x (K - 1)]` sees cache indices < context_length and itself.
+
+Cache writes: present = past with the new K/V at the write positions, exported as ONNX
+`TensorScatter` (opset 24, write index = first position; onnxruntime and TensorRT >= 10.15 update
+it in place) or `ScatterND` (opset 18, any TensorRT 10; attention is then MatMul/Softmax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from blockpilot.models.decoder import Decoder, KVCache
+from blockpilot.models.dflash import DFlashDrafter
+
+SUPPORTED_OPSETS = (18, 24)
+TARGET_INPUTS = ("input_ids", "positions", "logits_index")
+TARGET_OUTPUTS = ("logits", "taps", "hidden")
+DRAFTER_INPUTS = ("last_token", "block_positions", "context_taps", "context_positions", "context_length")
+DRAFTER_OUTPUTS = ("draft_ids",)
+
+
+def cache_names(num_layers: int, prefix: str) -> list[str]:
+    """`[prefix_key_0, prefix_value_0, prefix_key_1, ...]`: the order caches travel in."""
+    return [f"{prefix}_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSpec:
+    """I/O contract of one exported graph (tensor names in graph order)."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    num_cache_layers: int
+
+    @property
+    def past_names(self) -> list[str]:
+        return cache_names(self.num_cache_layers, "past")
+
+    @property
+    def present_names(self) -> list[str]:
+        return cache_names(self.num_cache_layers, "present")
+
+    def to_dict(self) -> dict:
+        return {"inputs": list(self.inputs), "outputs": list(self.outputs),
+                "num_cache_layers": self.num_cache_layers}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "GraphSpec":
+        return cls(tuple(raw["inputs"]), tuple(raw["outputs"]), int(raw["num_cache_layers"]))
+
+
+def target_spec(num_layers: int) -> GraphSpec:
+    return GraphSpec(TARGET_INPUTS + tuple(cache_names(num_layers, "past")),
+                     TARGET_OUTPUTS + tuple(cache_names(num_layers, "present")), num_layers)
+
+
+def drafter_spec(num_layers: int) -> GraphSpec:
+    return GraphSpec(DRAFTER_INPUTS + tuple(cache_names(num_layers, "past")),
+                     DRAFTER_OUTPUTS + tuple(cache_names(num_layers, "present")), num_layers)
+
+
+class TargetGraph(nn.Module):
+    """Flat-signature target: `(input_ids, positions, logits_index, *past) -> (logits, taps, hidden, *present)`."""
+
+    def __init__(self, target: Decoder, tap_layers: tuple[int, ...]):
+        super().__init__()
+        self.target = target
+        self.tap_layers = tuple(tap_layers)
+
+    def forward(self, input_ids, positions, logits_index, *past):
+        t = self.target
+        # The decoder writes its cache in place; writing into copies makes the update functional.
+        cache = KVCache(k=[p.clone() for p in past[0::2]], v=[p.clone() for p in past[1::2]])
+        out = t(t.embed_tokens(input_ids), positions, cache, past[0].shape[2], self.tap_layers)
+        logits = t.lm_head(out.hidden[:, logits_index])  # (b, L, V)
+        present = [c for pair in zip(cache.k, cache.v) for c in pair]
+        return (logits, out.taps, out.hidden, *present)
+
+
+class DrafterGraph(nn.Module):
+    """Flat-signature drafter: `(last_token, block_positions, context_taps, context_positions,
+    context_length, *past) -> (draft_ids, *present)`; mirrors `DFlashDrafter.forward` with the
+    cache slice replaced by a mask over the full capacity."""
+
+    def __init__(self, target: Decoder, drafter: DFlashDrafter):
+        super().__init__()
+        self.embed_tokens = target.embed_tokens
+        self.lm_head = target.lm_head
+        self.drafter = drafter
+        self.mask_token_id = drafter.config.mask_token_id
+
+    def forward(self, last_token, block_positions, context_taps, context_positions, context_length, *past):
+        d = self.drafter
+        k_block = block_positions.shape[0]
+        x = d.block_embeddings(self.embed_tokens(last_token), self.embed_tokens.weight[self.mask_token_id], k_block)
+        context = d.hidden_norm(d.fc(context_taps))  # (b, n, H)
+        ctx_rope = d.rope(context_positions, x.dtype)
+        block_rope = d.rope(block_positions, x.dtype)
+        capacity = past[0].shape[2]
+        visible = torch.cat((torch.arange(capacity, device=x.device) < context_length,
+                             torch.ones(k_block, dtype=torch.bool, device=x.device)))
+        mask = visible.expand(k_block, -1)[None, None]  # (1, 1, K, cap + K): one row per query
+        present = []
+        for i, layer in enumerate(d.layers):
+            k_new, v_new = layer.context_kv(context, ctx_rope)  # (b, nkv, n, hd) each
+            k_ctx = past[2 * i].index_copy(2, context_positions, k_new.to(past[2 * i].dtype))
+            v_ctx = past[2 * i + 1].index_copy(2, context_positions, v_new.to(past[2 * i + 1].dtype))
+            x = layer(x, k_ctx, v_ctx, block_rope, mask)
+            present += [k_ctx, v_ctx]
+        draft_ids = self.lm_head(d.norm(x)[:, 1:]).argmax(-1)  # (b, K - 1)
+        return (draft_ids, *present)
+
+
+def _check_cache_axis(dim: int) -> None:
+    if dim != 2:  # the only index_copy in the graphs is the cache write along the sequence axis
+        raise NotImplementedError(f"index_copy along axis {dim} has no translation; only cache writes (axis 2)")
+
+
+def _kv_write_translation(opset: int):
+    """onnxscript translation of `aten.index_copy(cache, 2, positions, values)` for `opset`.
+
+    Both forms write `values` `(b, nkv, T, hd)` into `cache` `(b, nkv, cap, hd)` along axis 2
+    without transposing the cache (so a runtime may bind present and past to one buffer).
+    TensorScatter writes at `positions[0]` onward: positions must be contiguous.
+    """
+    if opset >= 24:
+        from onnxscript.onnx_opset import opset24 as op24
+
+        def tensor_scatter_write(cache, dim: int, positions, values):
+            _check_cache_axis(dim)
+            first = op24.Constant(value_ints=[0])
+            batch = op24.Slice(op24.Shape(values), first, op24.Constant(value_ints=[1]))  # (1,) = [b]
+            start = op24.Expand(op24.Slice(positions, first, op24.Constant(value_ints=[1])), batch)  # (b,)
+            return op24.TensorScatter(cache, values, start, axis=2)
+
+        return tensor_scatter_write
+    from onnxscript import opset18 as op18
+
+    def scatter_nd_write(cache, dim: int, positions, values):
+        shape = op18.Shape(values)  # [b, nkv, T, hd]
+        _check_cache_axis(dim)
+        lead = op18.Slice(shape, op18.Constant(value_ints=[0]), op18.Constant(value_ints=[3]))  # [b, nkv, T]
+        index_shape = op18.Concat(lead, op18.Constant(value_ints=[1]), axis=0)  # [b, nkv, T, 1]
+        zero, one = op18.Constant(value_int=0), op18.Constant(value_int=1)
+        batch = op18.Range(zero, op18.Gather(shape, 0), one)
+        heads = op18.Range(zero, op18.Gather(shape, 1), one)
+        b = op18.Expand(op18.Reshape(batch, op18.Constant(value_ints=[-1, 1, 1, 1])), index_shape)
+        h = op18.Expand(op18.Reshape(heads, op18.Constant(value_ints=[1, -1, 1, 1])), index_shape)
+        t = op18.Expand(op18.Reshape(positions, op18.Constant(value_ints=[1, 1, -1, 1])), index_shape)
+        return op18.ScatterND(cache, op18.Concat(b, h, t, axis=-1), values)  # indices (b, nkv, T, 3)
+
+    return scatter_nd_write
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportLimits:
+    """Ranges of the dynamic dimensions the graphs accept."""
+
+    max_seq_len: int  # largest capacity, positions < max_seq_len
+    max_batch: int = 64
+
+
+def _export(module: nn.Module, args: tuple, spec: GraphSpec, dynamic_shapes: tuple, path: Path,
+            opset: int, external_data: bool) -> Path:
+    import logging
+    import warnings
+
+    if opset not in SUPPORTED_OPSETS:
+        raise ValueError(f"opset {opset} not in {SUPPORTED_OPSETS}")
+    # The exporter logs one warning per torchvision op it cannot register; they do not concern us.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # exporter deprecation chatter
+        program = torch.onnx.export(
+            module.eval(), args, dynamo=True, opset_version=opset, dynamic_shapes=dynamic_shapes,
+            input_names=list(spec.inputs), output_names=list(spec.outputs), verbose=False,
+            custom_translation_table={torch.ops.aten.index_copy.default: _kv_write_translation(opset)},
+        )
+    program.save(str(path), external_data=external_data)
+    return path
+
+
+def _dims(limits: ExportLimits) -> dict[str, torch.export.Dim]:
+    s = limits.max_seq_len
+    return {
+        "batch": torch.export.Dim("batch", min=1, max=limits.max_batch),
+        "query": torch.export.Dim("query_len", min=1, max=s),
+        "rows": torch.export.Dim("logit_rows", min=1, max=s),
+        "capacity": torch.export.Dim("capacity", min=2, max=s),
+        "block": torch.export.Dim("block_size", min=2, max=s),
+        "context": torch.export.Dim("context_len", min=1, max=s),
+    }
+
+
+@torch.no_grad()
+def export_target(target: Decoder, tap_layers: tuple[int, ...], path: Path, limits: ExportLimits,
+                  opset: int = 24, external_data: bool = False) -> GraphSpec:
+    """Write the target graph to `path` (weights in `path.data` when `external_data`).
+
+    Args:
+        target: the decoder, in the dtype the graph should have; its RoPE table must cover
+            `limits.max_seq_len` positions.
+        tap_layers: layers whose outputs are concatenated into `taps` (the drafter's context).
+        path: the `.onnx` file to write.
+        limits: dynamic dimension ranges.
+        opset: 24 (TensorScatter, Attention) or 18 (ScatterND, MatMul/Softmax).
+        external_data: store weights beside the graph (needed above 2 GB).
+
+    Returns:
+        The graph's I/O contract.
+    """
+    c, dims = target.config, _dims(limits)
+    spec = target_spec(c.num_hidden_layers)
+    dtype = target.embed_tokens.weight.dtype
+    batch, query, capacity = 2, 3, min(8, limits.max_seq_len)  # >1 so export keeps them symbolic
+    past = tuple(torch.zeros(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype)
+                 for _ in spec.past_names)
+    args = (torch.zeros(batch, query, dtype=torch.long), torch.arange(query), torch.arange(2), *past)
+    cache_dims = tuple({0: dims["batch"], 2: dims["capacity"]} for _ in past)
+    dynamic = ({0: dims["batch"], 1: dims["query"]}, {0: dims["query"]}, {0: dims["rows"]}, cache_dims)
+    _export(TargetGraph(target, tap_layers), args, spec, dynamic, path, opset, external_data)
+    return spec
+
+
+@torch.no_grad()
+def export_drafter(target: Decoder, drafter: DFlashDrafter, path: Path, limits: ExportLimits,
+                   opset: int = 24, external_data: bool = False) -> GraphSpec:
+    """Write the drafter graph (with the target's embedding and lm_head) to `path`.
+
+    Args/Returns: as `export_target`; `drafter` must have the target's dtype.
+    """
+    c, dims = drafter.config.layers, _dims(limits)
+    spec = drafter_spec(c.num_hidden_layers)
+    dtype = target.embed_tokens.weight.dtype
+    batch, block, context, capacity = 2, 4, 3, min(16, limits.max_seq_len)
+    taps_width = len(drafter.config.target_layer_ids) * c.hidden_size
+    past = tuple(torch.zeros(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype)
+                 for _ in spec.past_names)
+    args = (torch.zeros(batch, 1, dtype=torch.long), torch.arange(context, context + block),
+            torch.zeros(batch, context, taps_width, dtype=dtype), torch.arange(context),
+            torch.tensor([context]), *past)
+    cache_dims = tuple({0: dims["batch"], 2: dims["capacity"]} for _ in past)
+    dynamic = ({0: dims["batch"]}, {0: dims["block"]}, {0: dims["batch"], 1: dims["context"]},
+               {0: dims["context"]}, {}, cache_dims)
+    _export(DrafterGraph(target, drafter), args, spec, dynamic, path, opset, external_data)
+    return spec

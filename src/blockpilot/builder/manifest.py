@@ -1,0 +1,203 @@
+"""`manifest.json`: the one versioned description of an engine directory, checked once on load.
+
+An engine directory (written by `blockpilot build`) holds:
+
+    manifest.json            this file
+    target.onnx, drafter.onnx (+ `.data` when the weights are stored externally)
+    target.engine, drafter.engine   TensorRT engines, when built with --trt
+    predictor.onnx           block-size predictor, when given
+    tokenizer files          copied from the target directory
+    target/, drafter/        the original weights (safetensors) and configs, for the torch backend
+
+Per graph the manifest records its files, I/O tensor names and optimization profiles (each with
+min/opt/max shapes per input); profile indices are the same in the ONNX-derived TensorRT engine.
+`files` maps every other file's relative path to its SHA-256. `read_manifest` raises `UserError`
+for a missing directory or file, a digest mismatch, or a format newer than this code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from blockpilot.errors import UserError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "blockpilot-engine"
+FORMAT_VERSION = 1
+DTYPES = ("fp32", "fp16", "bf16")
+PREFILL = "prefill"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """One optimization profile: `shapes[input] = (min, opt, max)`; `block_size` None for prefill."""
+
+    name: str
+    block_size: int | None
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "block_size": self.block_size,
+                "shapes": {k: [list(s) for s in v] for k, v in self.shapes.items()}}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Profile":
+        shapes = {k: tuple(tuple(int(d) for d in s) for s in v) for k, v in raw["shapes"].items()}
+        return cls(raw["name"], raw["block_size"], shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphEntry:
+    """One exported graph: its files, I/O names and profiles (index = TensorRT profile index)."""
+
+    onnx: str
+    engine: str | None
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    num_cache_layers: int
+    profiles: tuple[Profile, ...]
+
+    @property
+    def past_names(self) -> list[str]:
+        return [n for n in self.inputs if n.startswith("past_")]
+
+    @property
+    def present_names(self) -> list[str]:
+        return [n for n in self.outputs if n.startswith("present_")]
+
+    def profile_index(self, block_size: int | None) -> int | None:
+        """Index of the profile for `block_size` (None: prefill), or None when there is none."""
+        for i, profile in enumerate(self.profiles):
+            if profile.block_size == block_size:
+                return i
+        return None
+
+    def to_dict(self) -> dict:
+        return {
+            "onnx": self.onnx, "engine": self.engine, "inputs": list(self.inputs),
+            "outputs": list(self.outputs), "num_cache_layers": self.num_cache_layers,
+            "profile_of_block_size": {str(p.block_size if p.block_size else PREFILL): i
+                                      for i, p in enumerate(self.profiles)},
+            "profiles": [p.to_dict() for p in self.profiles],
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "GraphEntry":
+        return cls(raw["onnx"], raw.get("engine"), tuple(raw["inputs"]), tuple(raw["outputs"]),
+                   int(raw["num_cache_layers"]), tuple(Profile.from_dict(p) for p in raw["profiles"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    dtype: str  # "fp32" | "fp16" | "bf16": the graphs' float type
+    max_seq_len: int  # cache capacity of the engines (positions 0..max_seq_len-1)
+    opset: int
+    block_sizes: tuple[int, ...]  # drafting block sizes built (block size 1, autoregressive, always works)
+    drafter_block_size: int  # the drafter's training block size
+    tap_layers: tuple[int, ...]
+    mask_token_id: int
+    target: GraphEntry
+    drafter: GraphEntry
+    target_dir: str = "target"
+    drafter_dir: str = "drafter"
+    tokenizer_files: tuple[str, ...] = ()
+    predictor: str | None = None
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)  # where target/drafter were built from
+    files: dict[str, str] = dataclasses.field(default_factory=dict)  # relative path -> SHA-256
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def has_engines(self) -> bool:
+        return self.target.engine is not None and self.drafter.engine is not None
+
+    def to_dict(self) -> dict:
+        raw = dataclasses.asdict(self)
+        raw.update(target=self.target.to_dict(), drafter=self.drafter.to_dict(),
+                   block_sizes=list(self.block_sizes), tap_layers=list(self.tap_layers),
+                   tokenizer_files=list(self.tokenizer_files))
+        return {"format": FORMAT_NAME, **raw}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Manifest":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in raw.items() if k in fields}
+        values.update(target=GraphEntry.from_dict(raw["target"]), drafter=GraphEntry.from_dict(raw["drafter"]),
+                      block_sizes=tuple(raw["block_sizes"]), tap_layers=tuple(raw["tap_layers"]),
+                      tokenizer_files=tuple(raw.get("tokenizer_files", ())))
+        return cls(**values)
+
+
+def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_files(root: Path) -> dict[str, str]:
+    """SHA-256 of every file under `root` except the manifest, keyed by POSIX relative path."""
+    paths = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    return {p.relative_to(root).as_posix(): file_sha256(p) for p in paths}
+
+
+def write_manifest(engine_dir: Path, manifest: Manifest) -> Manifest:
+    """Hash every file of `engine_dir` into `manifest.files` and write `manifest.json` (last).
+
+    Returns:
+        The manifest as written (with `files`).
+    """
+    manifest = dataclasses.replace(manifest, files=hash_files(engine_dir))
+    (engine_dir / MANIFEST_NAME).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(engine_dir: Path | str, verify_files: bool = True) -> Manifest:
+    """The checked manifest of `engine_dir`.
+
+    Args:
+        engine_dir: a directory written by `blockpilot build`.
+        verify_files: check that every listed file exists and matches its SHA-256.
+
+    Raises:
+        UserError: not an engine directory, unreadable or newer manifest, missing or modified file.
+    """
+    engine_dir = Path(engine_dir)
+    path = engine_dir / MANIFEST_NAME
+    rebuild = "rebuild it with `blockpilot build`"
+    if not engine_dir.is_dir():
+        raise UserError(f"engine directory {engine_dir} does not exist; build one with `blockpilot build`")
+    if not path.is_file():
+        raise UserError(f"{engine_dir} has no {MANIFEST_NAME}, so it is not an engine directory; {rebuild}")
+    try:
+        raw = json.loads(path.read_text())
+        version = int(raw["format_version"]) if raw.get("format") == FORMAT_NAME else None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path} is not a readable engine manifest ({exc}); {rebuild}") from None
+    if version is None:
+        raise UserError(f"{path} is not a BlockPilot engine manifest (format is not '{FORMAT_NAME}'); {rebuild}")
+    if version > FORMAT_VERSION:
+        raise UserError(f"{path} has format version {version}, newer than this BlockPilot reads "
+                        f"({FORMAT_VERSION}); upgrade blockpilot or {rebuild}")
+    try:
+        manifest = Manifest.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path} is incomplete ({type(exc).__name__}: {exc}); {rebuild}") from None
+    if verify_files:
+        verify_manifest_files(engine_dir, manifest)
+    return manifest
+
+
+def verify_manifest_files(engine_dir: Path, manifest: Manifest) -> None:
+    """Raise `UserError` for the first listed file that is missing or whose SHA-256 differs."""
+    for relative, expected in sorted(manifest.files.items()):
+        path = engine_dir / relative
+        if not path.is_file():
+            raise UserError(f"engine directory {engine_dir} is missing {relative}; rebuild it with `blockpilot build`")
+        if file_sha256(path) != expected:
+            raise UserError(f"{path} does not match the SHA-256 in {MANIFEST_NAME} (modified or corrupt); "
+                            "rebuild the engine directory with `blockpilot build`")

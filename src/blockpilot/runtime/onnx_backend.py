@@ -1,0 +1,160 @@
+"""The onnxruntime backend: runs an engine directory's ONNX graphs (the ones TensorRT builds from).
+
+One `InferenceSession` per graph. KV caches are `OrtValue`s owned by the `DecodeState`; they are
+bound as inputs and outputs through `IOBinding`. With opset-24 graphs (`TensorScatter`) the present
+cache is bound to the past cache's buffer, so each step writes only the new positions in place;
+with opset-18 graphs (`ScatterND`) the graph writes a fresh present cache, which replaces the past
+one in the state. The graphs accept any cache capacity up to `max_seq_len`, so a request's caches
+are exactly as large as it needs. Graph contracts: `blockpilot.builder.export`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from blockpilot.builder.manifest import GraphEntry, Manifest
+from blockpilot.errors import UserError
+from blockpilot.models.config import DecoderConfig, DrafterConfig
+from blockpilot.runtime.backend import DecodeState, PrefillOutput, VerifyOutput
+
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+def numpy_float_type(dtype: str):
+    """The numpy type of a build dtype; bf16 graphs cannot be fed from numpy (`UserError`)."""
+    if dtype not in NUMPY_DTYPES:
+        raise UserError(f"the onnxruntime backend cannot run {dtype} graphs; rebuild with "
+                        "`blockpilot build --dtype fp32` or use the tensorrt backend")
+    return NUMPY_DTYPES[dtype]
+
+
+def make_session(path: Path, threads: int | None = None):
+    """An onnxruntime CPU session for `path` (graph optimizations on, warnings muted)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types for graphs it cannot run
+        raise UserError(f"onnxruntime cannot load {path} ({str(exc).splitlines()[0][:200]}); rebuild the engine "
+                        "directory with `blockpilot build --dtype fp32` for the onnxruntime backend") from None
+
+
+class OnnxGraph:
+    """One session plus the graph's I/O contract; runs with caches bound in place or replaced."""
+
+    def __init__(self, session, entry: GraphEntry, in_place: bool):
+        self.session = session
+        self.entry = entry
+        self.in_place = in_place
+        self.past_names, self.present_names = entry.past_names, entry.present_names
+        self.plain_outputs = [n for n in entry.outputs if not n.startswith("present_")]
+
+    def run(self, inputs: dict[str, np.ndarray], caches: list) -> dict[str, np.ndarray]:
+        """Run with `inputs` and the cache `OrtValue`s `caches` (updated in the list).
+
+        Returns:
+            The non-cache outputs by name.
+        """
+        binding = self.session.io_binding()
+        arrays = {name: np.ascontiguousarray(value) for name, value in inputs.items()}  # alive until run ends
+        for name, array in arrays.items():
+            binding.bind_cpu_input(name, array)
+        for name, cache in zip(self.past_names, caches):
+            binding.bind_ortvalue_input(name, cache)
+        for name in self.plain_outputs:
+            binding.bind_output(name)
+        for name, cache in zip(self.present_names, caches):
+            if self.in_place:
+                binding.bind_ortvalue_output(name, cache)  # TensorScatter updates the buffer itself
+            else:
+                binding.bind_output(name)
+        self.session.run_with_iobinding(binding)
+        values = binding.get_outputs()
+        if not self.in_place:
+            caches[:] = values[len(self.plain_outputs):]
+        return {name: values[i].numpy() for i, name in enumerate(self.plain_outputs)}
+
+
+class OnnxBackend:
+    """`Backend` over an engine directory's ONNX graphs (see `runtime/backend.py` for the contract).
+
+    Args:
+        manifest: the engine directory's checked manifest.
+        target, drafter: the two graphs.
+        target_config, drafter_config: the models' configurations (cache shapes, vocabulary).
+    """
+
+    name = "onnxruntime"
+    device = "cpu"
+
+    def __init__(self, manifest: Manifest, target: OnnxGraph, drafter: OnnxGraph,
+                 target_config: DecoderConfig, drafter_config: DrafterConfig):
+        self.manifest = manifest
+        self.target, self.drafter = target, drafter
+        self.target_config, self.drafter_config = target_config, drafter_config
+        self.max_capacity = manifest.max_seq_len
+        self.float_type = numpy_float_type(manifest.dtype)
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: Path, manifest: Manifest, target_config: DecoderConfig,
+                        drafter_config: DrafterConfig, threads: int | None = None) -> "OnnxBackend":
+        """Open both graphs of a checked engine directory (`threads`: intra-op threads, None = all cores)."""
+        numpy_float_type(manifest.dtype)
+        in_place = manifest.opset >= 24
+        graphs = [OnnxGraph(make_session(Path(engine_dir) / e.onnx, threads), e, in_place)
+                  for e in (manifest.target, manifest.drafter)]
+        return cls(manifest, *graphs, target_config, drafter_config)
+
+    def supports_block_size(self, block_size: int) -> bool:
+        return block_size == 1 or block_size in self.manifest.block_sizes
+
+    def _zeros(self, config: DecoderConfig, batch: int, capacity: int, count: int) -> list:
+        import onnxruntime as ort
+
+        shape = (batch, config.num_key_value_heads, capacity, config.head_dim)
+        return [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.float_type)) for _ in range(count)]
+
+    def new_state(self, batch: int, capacity: int) -> DecodeState:
+        if not 2 <= capacity <= self.max_capacity:
+            raise ValueError(f"capacity {capacity} outside [2, {self.max_capacity}]")
+        return DecodeState(
+            target_cache=self._zeros(self.target_config, batch, capacity, len(self.target.past_names)),
+            drafter_cache=self._zeros(self.drafter_config.layers, batch, capacity, len(self.drafter.past_names)),
+            capacity=capacity,
+        )
+
+    def _run_target(self, state: DecodeState, ids: np.ndarray, start: int, logits_index: np.ndarray) -> dict:
+        positions = np.arange(start, start + ids.shape[1], dtype=np.int64)
+        return self.target.run({"input_ids": ids.astype(np.int64), "positions": positions,
+                                "logits_index": logits_index.astype(np.int64)}, state.target_cache)
+
+    def prefill(self, state: DecodeState, input_ids: torch.Tensor) -> PrefillOutput:
+        n = input_ids.shape[1]
+        out = self._run_target(state, input_ids.cpu().numpy(), 0, np.array([n - 1]))
+        return PrefillOutput(last_logits=torch.from_numpy(out["logits"][:, 0]), taps=torch.from_numpy(out["taps"]),
+                             hidden=torch.from_numpy(out["hidden"]))
+
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
+        n = new_taps.shape[1]
+        if n == 0:
+            raise ValueError("the drafter graph needs at least one new context position per call")
+        out = self.drafter.run({
+            "last_token": last_tokens.cpu().numpy().astype(np.int64)[:, None],
+            "block_positions": np.arange(block_start, block_start + block_size, dtype=np.int64),
+            "context_taps": new_taps.cpu().numpy().astype(self.float_type),
+            "context_positions": np.arange(ctx_start, ctx_start + n, dtype=np.int64),
+            "context_length": np.array([ctx_start + n], dtype=np.int64),
+        }, state.drafter_cache)
+        return torch.from_numpy(out["draft_ids"])
+
+    def verify(self, state, block_ids, start):
+        k = block_ids.shape[1]
+        out = self._run_target(state, block_ids.cpu().numpy(), start, np.arange(k))
+        return VerifyOutput(logits=torch.from_numpy(out["logits"]), taps=torch.from_numpy(out["taps"]))
