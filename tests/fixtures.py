@@ -65,3 +65,25 @@ def make_drafter(tmp: Path, target_dir: Path, block_size: int = 8, layers: int =
     torch.manual_seed(seed)
     drafter = DFlashDrafter(config)
     return save_drafter(drafter, tmp / name)
+
+
+def target_continuation_backend():
+    """A TorchBackend subclass whose drafts are the target's own greedy continuation (computed on a
+    scratch copy of the cache), so at T = 0 every draft is accepted."""
+    from blockpilot.models.decoder import KVCache
+    from blockpilot.runtime.backend import TorchBackend
+
+    class TargetContinuationBackend(TorchBackend):
+        def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
+            t = self.target
+            scratch = KVCache([k.clone() for k in state.target_cache.k], [v.clone() for v in state.target_cache.v])
+            tokens, token = [], last_tokens
+            with torch.inference_mode():
+                for i in range(block_size - 1):
+                    out = t(t.embed_tokens(token[:, None]), torch.tensor([block_start + i]), scratch,
+                            block_start + i + 1)
+                    token = t.lm_head(out.hidden[:, -1]).argmax(-1)
+                    tokens.append(token)
+            return torch.stack(tokens, dim=1)  # (B, block_size - 1)
+
+    return TargetContinuationBackend

@@ -17,17 +17,16 @@ from blockpilot.predictor.labels import (
     oracle_labels,
     prepare_dataset_dir,
 )
-from blockpilot.runtime.backend import TorchBackend
 from blockpilot.runtime.runner import Runner
 
-from fixtures import make_drafter, make_hf_target
+from fixtures import make_drafter, make_hf_target, target_continuation_backend
 
 CANDIDATES = (6, 7, 8, 9, 10)
 # first prompt token -> the largest block size whose drafts are all right (beyond it all are wrong)
 GOOD_UP_TO = {11: 6, 12: 7, 13: 9, 14: 10, 15: 5}
 
 
-class PatternBackend(TorchBackend):
+class PatternBackend(target_continuation_backend()):
     """Drafts the target's own greedy continuation when the block size is at most GOOD_UP_TO[first
     prompt token], else only wrong tokens: at T = 0 a block size k commits k tokens a step when
     k <= that limit and 1 otherwise, so the tau-argmax label is the limit itself."""
@@ -37,15 +36,7 @@ class PatternBackend(TorchBackend):
         return super().prefill(state, input_ids)
 
     def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
-        t = self.target
-        scratch = KVCache([k.clone() for k in state.target_cache.k], [v.clone() for v in state.target_cache.v])
-        tokens, token = [], last_tokens
-        with torch.inference_mode():
-            for i in range(block_size - 1):
-                out = t(t.embed_tokens(token[:, None]), torch.tensor([block_start + i]), scratch, block_start + i + 1)
-                token = t.lm_head(out.hidden[:, -1]).argmax(-1)
-                tokens.append(token)
-        draft = torch.stack(tokens, dim=1)  # (1, block_size - 1)
+        draft = super().draft(state, last_tokens, new_taps, ctx_start, block_start, block_size)
         return draft if block_size <= self.good_up_to else (draft + 1) % self.target_config.vocab_size
 
 

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from blockpilot.models.decoder import KVCache
 from blockpilot.runtime.backend import TorchBackend
 from blockpilot.runtime.runner import Runner
 
-from fixtures import make_drafter, make_hf_target
+from fixtures import make_drafter, make_hf_target, target_continuation_backend
 
 PROMPTS = [[5, 17, 42, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [60], [33, 33, 33, 12, 90, 2]]
 
@@ -20,20 +19,7 @@ def tiny(tmp_path_factory):
     return target, drafter
 
 
-class TargetContinuationBackend(TorchBackend):
-    """Drafts with the target itself (greedy AR), so every draft of a greedy run is accepted."""
-
-    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
-        t = self.target
-        scratch = KVCache([k.clone() for k in state.target_cache.k], [v.clone() for v in state.target_cache.v])
-        tokens, token = [], last_tokens
-        with torch.inference_mode():
-            for i in range(block_size - 1):
-                pos = torch.tensor([block_start + i])
-                out = t(t.embed_tokens(token[:, None]), pos, scratch, block_start + i + 1)
-                token = t.lm_head(out.hidden[:, -1]).argmax(-1)
-                tokens.append(token)
-        return torch.stack(tokens, dim=1)
+TargetContinuationBackend = target_continuation_backend()
 
 
 def _hf_greedy(target_dir, ids, n):

