@@ -1,0 +1,286 @@
+"""Exact temperature-0 labels by replay: no target verify passes, step times from a calibration.
+
+At T = 0 speculative decoding commits exactly the target's greedy continuation `y` of the prompt,
+whatever the block size, so the acceptance length of every step can be replayed with drafter
+passes only (the loop of `blockpilot.training.evaluate.replay_accept_lengths`) once `y` and the
+target's taps over prompt + `y` are known. Per prompt:
+
+    prefill (backend.prefill: the runtime's features)
+    y     = the target's greedy continuation; an answer from a file is only a hint: one
+            teacher-forced pass checks it, and from its first token that is not the target's
+            argmax on, the rest is generated one token at a time (also past the end id, because
+            the last step's drafts are compared beyond it)
+    taps  = the target's taps over prompt + y: from that teacher-forced pass, and from the
+            one-token passes for generated tokens
+    tau   = per candidate, drafter-only replay stopped where the runtime stops (the end id or the
+            token budget), with the same per-step acceptance lengths as `Runner.generate`; all
+            candidates step in lockstep and share one lm_head call per round
+
+Step times are not measured per prompt: the throughput objective uses each candidate's mean step
+time over the dataset, so `calibrate_step_times` times real `backend.draft` + `backend.verify`
+calls at each candidate size once, and rows store `steps x` those medians.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from blockpilot.errors import UserError
+from blockpilot.models.decoder import KVCache
+from blockpilot.predictor.labels import PARTS, LabelSettings, consolidate, prefill_row, save_rows_atomic
+
+CALIBRATION_NEW_TAPS = 3  # newly committed positions fed to each timed draft call (a typical step's tau)
+
+
+# ---------------------------------------------------------------- answers (hints of the greedy continuation)
+
+
+def load_answer_hints(path: Path, tokenizer) -> list[list[int]]:
+    """Answer token ids of each prompt row of an answers JSONL file, in `load_jsonl_prompts` order.
+
+    A row gives `answer_ids` (a list of ints) or `answer` (text, tokenized without special tokens);
+    `"finish": "stop"` means the answer ended with the end token, which is appended.
+
+    Raises:
+        UserError: the file is unreadable or a row has neither field (the message names the line).
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read answers file {path}: {exc}") from None
+    hints = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            hints.append(_hint_from_row(json.loads(line), tokenizer, f"{path}:{number}"))
+    return hints
+
+
+def _hint_from_row(row: dict, tokenizer, where: str) -> list[int]:
+    ids = row.get("answer_ids")
+    if ids is None and isinstance(row.get("answer"), str):
+        ids = tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise UserError(f"{where}: needs \"answer_ids\" (a list of token ids) or \"answer\" (text) to replay; "
+                        "write answers with `blockpilot train-drafter --regenerate` or drop --replay-answers")
+    eos = tokenizer.eos_token_id
+    if row.get("finish") == "stop" and eos is not None and ids[-1:] != [eos]:
+        ids = ids + [eos]
+    return list(ids)
+
+
+# ---------------------------------------------------------------- the greedy continuation
+
+
+def tokens_needed(continuation: list[int], settings: LabelSettings, end_id: int | None) -> tuple[int, int]:
+    """(s, n): the runtime commits `continuation[:s + 1]` (to the end id or the budget, whichever is
+    first) and its last step compares drafts up to index `s + max(candidates) - 2`, so the replay
+    needs the first `n = s + max(candidates) - 1` tokens; with too few tokens known, `s` is a bound."""
+    budget_last = settings.max_new_tokens - 1
+    eos_at = continuation.index(end_id) if end_id is not None and end_id in continuation else budget_last
+    s = min(eos_at, budget_last)
+    return s, s + max(settings.candidates) - 1
+
+
+@torch.inference_mode()
+def greedy_continuation(target, prompt_ids: list[int], hint: list[int], settings: LabelSettings,
+                        end_id: int | None, tap_layers) -> tuple[list[int], torch.Tensor, int]:
+    """The target's greedy continuation of `prompt_ids`, as long as the replay needs it, with its taps.
+
+    One teacher-forced pass over prompt + `hint` checks the hint and gives the taps of every
+    position up to its first wrong token; from there tokens are generated one at a time, each
+    pass giving the taps of its position.
+
+    Args:
+        target: the target `Decoder`.
+        prompt_ids: the prompt's token ids.
+        hint: an answer believed to be greedy.
+        settings: candidates and token budget.
+        end_id: the runtime's end id (None: stop only at the budget).
+        tap_layers: the drafter's `target_layer_ids`.
+
+    Returns:
+        The continuation `y` (index 0 is the token prefill commits), the taps `(1, P + len(y) - 1, tH)`
+        of prompt + `y[:-1]` (the replay never reads the last one), and how many tokens of `y` were
+        generated one at a time because the hint was wrong or too short.
+    """
+    p, longest = len(prompt_ids), settings.max_new_tokens + max(settings.candidates) - 1
+    hint, tap_layers = hint[:longest], tuple(tap_layers)
+    cache = KVCache.allocate(target.config, 1, p + longest, torch.float32)
+    seq = torch.tensor([prompt_ids + hint])
+    out = target(target.embed_tokens(seq), torch.arange(seq.shape[1]), cache, seq.shape[1], tap_layers)
+    greedy = target.lm_head(out.hidden[0, p - 1:]).argmax(-1).tolist()  # greedy[i]: the token after hint[:i]
+    agree = next((i for i, (h, g) in enumerate(zip(hint, greedy)) if h != g), len(hint))
+    y, taps = hint[:agree] + [greedy[agree]], [out.taps[:, :p + agree]]  # taps of prompt + y[:-1]
+    while len(y) < tokens_needed(y, settings, end_id)[1]:
+        position = p + len(y) - 1  # feed y[-1]; the cache is right for every position before it
+        out = target(target.embed_tokens(torch.tensor([[y[-1]]])), torch.tensor([position]), cache, position + 1,
+                     tap_layers)
+        y.append(int(target.lm_head(out.hidden[0, -1]).argmax()))
+        taps.append(out.taps)
+    n = tokens_needed(y, settings, end_id)[1]
+    return y[:n], torch.cat(taps, dim=1)[:, :p + n - 1], len(y) - agree - 1
+
+
+# ---------------------------------------------------------------- the replay
+
+
+@dataclasses.dataclass
+class _Replay:
+    """Where one block size's replay stands: `ids[pos]` is committed, the drafter has context `[0, ctx_start)`."""
+
+    size: int
+    pos: int
+    cache: KVCache
+    ctx_start: int = 0
+    steps: list[int] = dataclasses.field(default_factory=list)
+
+
+@torch.inference_mode()
+def replay_candidates(target, drafter, ids: list[int], prompt_len: int, stop_at: int, block_sizes,
+                      taps) -> list[list[int]]:
+    """Tokens committed per step, for each block size, when greedily decoding `ids[prompt_len:]` until the
+    step that commits `ids[stop_at]` (where the runtime stops: its end id or token budget).
+
+    The loop of `blockpilot.training.evaluate.replay_accept_lengths`, run for every block size in
+    lockstep so that one `lm_head` call (49152 x 576, most of a step's cost on a CPU) serves them all.
+
+    Args:
+        target, drafter: the target `Decoder` and the `DFlashDrafter`.
+        ids: prompt + the target's greedy continuation, at least `stop_at + max(block_sizes) - 1` long
+            so that every step's whole block is compared.
+        prompt_len: where the continuation starts (`ids[prompt_len]` is the token prefill commits).
+        stop_at: index in `ids` of the last token the runtime commits.
+        block_sizes: the candidates.
+        taps: `(1, >= stop_at, tH)` target taps of `ids`.
+
+    Returns:
+        Per block size, the acceptance length of each step (as `RequestResult.accept_lengths`).
+    """
+    y = torch.tensor(ids)
+    mask_embed = target.embed_tokens.weight[drafter.config.mask_token_id]
+    runs = [_Replay(size, prompt_len, KVCache.allocate(drafter.config.layers, 1, len(ids) + size, torch.float32))
+            for size in block_sizes]
+    while active := [r for r in runs if r.pos < stop_at]:
+        hidden = []
+        for r in active:
+            block = drafter.block_embeddings(target.embed_tokens(y[r.pos:r.pos + 1])[None], mask_embed, r.size)
+            hidden.append(drafter(block, torch.arange(r.pos, r.pos + r.size), taps[:, r.ctx_start:r.pos],
+                                  torch.arange(r.ctx_start, r.pos), r.cache, r.pos)[0, 1:])  # (size - 1, H)
+        drafts = target.lm_head(torch.cat(hidden)).argmax(-1).split([r.size - 1 for r in active])
+        for r, draft in zip(active, drafts):
+            truth = y[r.pos + 1: r.pos + r.size]
+            accepted = min(int((draft[:len(truth)] == truth).long().cumprod(0).sum()), len(ids) - 1 - r.pos)
+            r.steps.append(accepted + 1)
+            r.ctx_start, r.pos = r.pos, r.pos + accepted + 1
+    return [r.steps for r in runs]
+
+
+# ---------------------------------------------------------------- rows
+
+
+def replay_row(backend, input_ids: list[int], hint: list[int], settings: LabelSettings, end_id: int | None,
+               step_times: dict[str, dict[str, float]]) -> dict[str, torch.Tensor]:
+    """One dataset row (as `labels.label_prompt` writes at T = 0) from replay and calibrated step times.
+
+    Args:
+        backend: a `TorchBackend` with a drafter (its `target` and `drafter` modules are replayed).
+        input_ids: the prompt's token ids.
+        hint: answer ids believed greedy (see `greedy_continuation`).
+        settings: candidates and token budget (temperature 0).
+        end_id: the runtime's end id.
+        step_times: `{"draft_s": {size: s}, "verify_s": {size: s}}` per-call medians (`calibrate_step_times`).
+
+    Returns:
+        Row tensors with a leading dimension of 1 (see `blockpilot.predictor.labels`).
+    """
+    target, drafter, p = backend.target, backend.drafter, len(input_ids)
+    row = prefill_row(backend, input_ids)
+    y, taps, _ = greedy_continuation(target, input_ids, hint, settings, end_id, drafter.config.target_layer_ids)
+    s, _ = tokens_needed(y, settings, end_id)
+    k = len(settings.candidates)
+    lengths = replay_candidates(target, drafter, input_ids + y, p, p + s, settings.candidates, taps)
+    steps = torch.tensor([[len(steps) for steps in lengths]], dtype=torch.int64)
+    accepted = torch.tensor([[sum(steps) for steps in lengths]], dtype=torch.int64)
+    draft_one = torch.tensor([[step_times["draft_s"][str(c)] for c in settings.candidates]], dtype=torch.float64)
+    verify_one = torch.tensor([[step_times["verify_s"][str(c)] for c in settings.candidates]], dtype=torch.float64)
+    times = {"draft_s": steps * draft_one, "verify_s": steps * verify_one}
+    per_step = steps.double().clamp_min(1)
+    return {**row, "steps": steps, "accepted": accepted, "new_tokens": torch.full((1, k), s + 1),
+            **times, "tau": accepted.double() / per_step, "step_s": (times["draft_s"] + times["verify_s"]) / per_step}
+
+
+def replay_label_prompts(backend, prompts: list[tuple[int, str, list[int]]], hints: list[list[int]],
+                         settings: LabelSettings, end_id: int | None, step_times: dict, out: Path,
+                         progress: bool = True) -> int:
+    """Label `prompts` (file index, id, token ids) by replay into the prepared dataset directory `out`.
+
+    `hints[index]` is the answer of the prompt at file index `index`. Rows are written one part
+    file each, as `labels.label_prompts` does, and consolidated at the end.
+
+    Returns:
+        The number of rows in the dataset afterwards.
+    """
+    from tqdm import tqdm
+
+    for index, prompt_id, ids in tqdm(prompts, desc="labelling (replay)", unit="prompt", disable=not progress):
+        row = replay_row(backend, ids, hints[index], settings, end_id, step_times)
+        save_rows_atomic([prompt_id], row, out / PARTS / f"{index:07d}.safetensors")
+    return consolidate(out)
+
+
+# ---------------------------------------------------------------- step-time calibration
+
+
+def calibrate_step_times(backend, prompts: list[list[int]], candidates: tuple[int, ...], reps: int,
+                         clock) -> dict:
+    """Seconds of one `draft` and one `verify` call at each candidate size, on this backend.
+
+    Per prompt: prefill, one untimed draft that caches all but the last `CALIBRATION_NEW_TAPS`
+    prompt positions as drafter context, one untimed warm-up round, then `reps` rounds over the
+    candidates (order rotated each round), each timing a draft fed those last positions as newly
+    committed and the verify of its block right after the prompt. Repeated calls rewrite the same
+    cache positions with the same values, so every round sees the same state.
+
+    Args:
+        backend: the labelling backend (with a drafter).
+        prompts: token ids of the calibration prompts.
+        candidates: block sizes to time.
+        reps: timed rounds per prompt.
+        clock: seconds (`time.perf_counter` or `time.process_time`).
+
+    Returns:
+        {"draft_s": {size: median}, "verify_s": {size: median}, "raw": {"draft_s": {size: [...]},
+        "verify_s": {...}}, "prompts": n, "reps": reps, "new_taps": CALIBRATION_NEW_TAPS}; sizes are
+        strings (JSON keys).
+    """
+    raw = {"draft_s": {str(c): [] for c in candidates}, "verify_s": {str(c): [] for c in candidates}}
+    for ids in prompts:
+        _calibrate_prompt(backend, ids, candidates, reps, clock, raw)
+    medians = {kind: {c: statistics.median(v) for c, v in values.items()} for kind, values in raw.items()}
+    return {**medians, "raw": raw, "prompts": len(prompts), "reps": reps, "new_taps": CALIBRATION_NEW_TAPS}
+
+
+def _calibrate_prompt(backend, ids: list[int], candidates, reps: int, clock, raw: dict) -> None:
+    """Time `reps` rounds of draft + verify at every candidate on one prompt into `raw` (see above)."""
+    n = len(ids)
+    state = backend.new_state(1, n + max(candidates))
+    prefill = backend.prefill(state, torch.tensor([ids], device=getattr(backend, "device", "cpu")))
+    last = prefill.last_logits.argmax(-1)  # (1,) the greedy first token
+    fresh = min(CALIBRATION_NEW_TAPS, n)
+    backend.draft(state, last, prefill.taps[:, :n - fresh], 0, n, candidates[0])
+    for rep in range(reps + 1):  # round 0 warms up
+        shift = rep % len(candidates)
+        for size in candidates[shift:] + candidates[:shift]:
+            t0 = clock()
+            draft = backend.draft(state, last, prefill.taps[:, n - fresh:], n - fresh, n, size)
+            t1 = clock()
+            backend.verify(state, torch.cat((last[:, None], draft), dim=1), n)
+            t2 = clock()
+            if rep:
+                raw["draft_s"][str(size)].append(t1 - t0)
+                raw["verify_s"][str(size)].append(t2 - t1)

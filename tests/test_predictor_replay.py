@@ -1,0 +1,135 @@
+"""T = 0 replay labelling: the same labels as decoding every candidate, calibrated step times, bad input."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from blockpilot import cli
+from blockpilot.predictor.labelling import LabelJob, run_label_job
+from blockpilot.predictor.labels import load_label_dataset
+from blockpilot.runtime.runner import Runner
+
+from fixtures import make_hf_target
+
+WORDS = [f"w{i}" for i in range(90)]
+PROMPTS = [" ".join(WORDS[i:i + 5]) for i in (0, 7, 21, 33, 50)]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny target with a word-level tokenizer, a drafter trained briefly on a repeated pattern (so
+    drafts are sometimes accepted), and an end id that the greedy answer of PROMPTS[1] reaches early."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from blockpilot.training.pipeline import train_drafter_from_args
+
+    tmp = tmp_path_factory.mktemp("replay")
+    target = make_hf_target(tmp, "llama")
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(target)
+    rows = [{"prompt": " ".join(WORDS[i:i + 5]), "answer": " ".join(WORDS[(i + 3 * j) % 40] for j in range(40)),
+             "finish": "stop"} for i in range(24)]
+    (tmp / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train_drafter_from_args(argparse.Namespace(
+        target=target, out=tmp / "drafter", block_size=4, layers=1, taps=2, mask_token_id=3,
+        answers=[tmp / "corpus.jsonl"], prompts=None, regenerate=0, gen_max_new_tokens=16, max_len=64,
+        time_budget=1.0, max_steps=60, sequences_per_step=4, anchors=8, lr=1e-2, gamma=None, valid=2,
+        eval_every=100.0, checkpoint_every=100.0, work_dir=tmp / "work", resume=False, no_autocast=True, seed=0))
+    greedy = _greedy(target, tmp / "drafter", PROMPTS[1], end_id=-1)
+    stop = next(i for i in range(6, MAX_NEW - 6) if greedy[i] not in greedy[:i])  # its first occurrence
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": greedy[stop]}))
+    return tmp, target, tmp / "drafter", stop + 1
+
+
+def _greedy(target, drafter, prompt: str, end_id=None) -> list[int]:
+    from blockpilot.text import chat_prompt_ids, load_tokenizer
+
+    ids = chat_prompt_ids(load_tokenizer(target), prompt)
+    out = Runner.from_dir(target, drafter_dir=drafter).generate([torch.tensor(ids)], max_new_tokens=MAX_NEW,
+                                                                end_id=end_id, return_dict=True)
+    return out["output_ids"][0, 0, len(ids):int(out["sequence_lengths"][0, 0])].tolist()
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _answers(target, drafter, path):
+    """Answers of every kind a file may hold: exact greedy ids, wrong text, a cut-short answer, an answer
+    ending at the tokenizer's end token (not the runtime's end id) and one left to the target."""
+    exact = [_greedy(target, drafter, p) for p in PROMPTS]
+    rows = [{"answer_ids": exact[0], "finish": "length"},
+            {"answer_ids": exact[1], "finish": "stop"},
+            {"answer": "w5 w5 w6 w7", "finish": "length"},
+            {"answer": " ".join(WORDS[3:9]), "finish": "stop"},
+            {"answer_ids": exact[4][:3]}]
+    return _write_jsonl(path, [{"id": f"q{i}", "prompt": p, **r} for i, (p, r) in enumerate(zip(PROMPTS, rows))])
+
+
+def test_replayed_labels_equal_the_labels_of_decoding_every_candidate(models, tmp_path):
+    _, target, drafter, stops_after = models
+    prompts = _write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    answers = _answers(target, drafter, tmp_path / "answers.jsonl")
+    common = dict(target=target, drafter=drafter, max_new_tokens=MAX_NEW, progress=False, clock="cpu")
+    run_label_job(LabelJob(prompts=prompts, out=tmp_path / "decoded", **common))
+    run_label_job(LabelJob(prompts=None, replay_answers=answers, out=tmp_path / "replayed", calibration_prompts=2,
+                           calibration_reps=2, **common))
+    decoded, replayed = load_label_dataset(tmp_path / "decoded"), load_label_dataset(tmp_path / "replayed")
+    assert replayed.ids == decoded.ids == [f"q{i}" for i in range(len(PROMPTS))]
+    assert replayed.candidates == decoded.candidates == (2, 3, 4, 5, 6)
+    for key in ("steps", "accepted", "new_tokens", "tau", "prompt_tokens", "pooled", "logits"):
+        assert torch.equal(replayed.rows[key], decoded.rows[key]), key
+    assert torch.equal(replayed.labels("tau"), decoded.labels("tau"))
+    assert (decoded.rows["tau"] > 1).any()  # drafts were accepted: the comparison is not all rejections
+    assert (decoded.rows["new_tokens"][1] == stops_after).all()  # PROMPTS[1] stops at the end id
+    assert (decoded.rows["new_tokens"] == MAX_NEW).any()  # others stop at the budget
+
+
+def test_replay_step_times_come_from_the_stored_calibration_and_survive_a_resume(models, tmp_path, capsys):
+    _, target, drafter, _ = models
+    answers = _answers(target, drafter, tmp_path / "answers.jsonl")
+    out = tmp_path / "ds"
+    args = ["label", "--target", str(target), "--drafter", str(drafter), "--replay-answers", str(answers),
+            "--max-new-tokens", str(MAX_NEW), "--out", str(out), "--calibration-prompts", "2",
+            "--calibration-reps", "3", "--note", "prompts also trained the drafter"]
+    assert cli.main(args + ["--limit", "2"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    calibration = meta["calibration"]
+    assert meta["step_time_source"] == "calibrated" and meta["note"] == "prompts also trained the drafter"
+    assert calibration["prompts"] == 2 and all(len(v) == 6 for v in calibration["raw"]["verify_s"].values())
+    assert cli.main(args) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["labelled_now"] == 3
+    assert json.loads((out / "meta.json").read_text())["calibration"] == calibration  # not timed again
+    ds = load_label_dataset(out)
+    per_call = torch.tensor([calibration["draft_s"][str(c)] + calibration["verify_s"][str(c)]
+                             for c in ds.candidates], dtype=torch.float64)
+    assert torch.allclose(ds.step_cost(), per_call)
+    assert torch.allclose(ds.rows["step_s"][ds.rows["steps"] > 0], per_call.expand(len(ds), -1)[ds.rows["steps"] > 0])
+
+
+def test_replay_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
+    _, target, drafter, _ = models
+    answers = _answers(target, drafter, tmp_path / "answers.jsonl")
+    no_answer = _write_jsonl(tmp_path / "bare.jsonl", [{"prompt": PROMPTS[0]}])
+    base = ["label", "--target", str(target), "--drafter", str(drafter), "--max-new-tokens", "4"]
+
+    def fails(extra, message):
+        assert cli.main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+
+    fails(["--replay-answers", str(answers), "--temperature", "1", "--out", str(tmp_path / "a")],
+          "exact only at --temperature 0")
+    fails(["--replay-answers", str(answers), "--prompts", str(answers), "--out", str(tmp_path / "b")], "not both")
+    fails(["--out", str(tmp_path / "c")], "pass --prompts FILE")
+    fails(["--replay-answers", str(no_answer), "--out", str(tmp_path / "d")], "needs \"answer_ids\"")
+    assert cli.main(base + ["--prompts", str(answers), "--out", str(tmp_path / "e")]) == 0
+    capsys.readouterr()
+    fails(["--replay-answers", str(answers), "--out", str(tmp_path / "e")], "other settings (step_time_source")
