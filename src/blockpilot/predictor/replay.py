@@ -2,7 +2,7 @@
 
 At T = 0 speculative decoding commits exactly the target's greedy continuation `y` of the prompt,
 whatever the block size, so the acceptance length of every step can be replayed with drafter
-passes only (the loop of `blockpilot.training.evaluate.replay_accept_lengths`) once `y` and the
+passes only (`blockpilot.training.evaluate.replay_block_sizes`) once `y` and the
 target's taps over prompt + `y` are known. Per prompt:
 
     prefill (backend.prefill: the runtime's features)
@@ -23,7 +23,6 @@ calls at each candidate size once, and rows store `steps x` those medians.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 from blockpilot.errors import UserError
 from blockpilot.models.decoder import KVCache
+from blockpilot.training.evaluate import replay_block_sizes
 from blockpilot.predictor.labels import PARTS, LabelSettings, consolidate, prefill_row, save_rows_atomic
 
 CALIBRATION_NEW_TAPS = 3  # newly committed positions fed to each timed draft call (a typical step's tau)
@@ -129,57 +129,6 @@ def greedy_continuation(target, prompt_ids: list[int], hint: list[int], settings
 # ---------------------------------------------------------------- the replay
 
 
-@dataclasses.dataclass
-class _Replay:
-    """Where one block size's replay stands: `ids[pos]` is committed, the drafter has context `[0, ctx_start)`."""
-
-    size: int
-    pos: int
-    cache: KVCache
-    ctx_start: int = 0
-    steps: list[int] = dataclasses.field(default_factory=list)
-
-
-@torch.inference_mode()
-def replay_candidates(target, drafter, ids: list[int], prompt_len: int, stop_at: int, block_sizes,
-                      taps) -> list[list[int]]:
-    """Tokens committed per step, for each block size, when greedily decoding `ids[prompt_len:]` until the
-    step that commits `ids[stop_at]` (where the runtime stops: its end id or token budget).
-
-    The loop of `blockpilot.training.evaluate.replay_accept_lengths`, run for every block size in
-    lockstep so that one `lm_head` call (49152 x 576, most of a step's cost on a CPU) serves them all.
-
-    Args:
-        target, drafter: the target `Decoder` and the `DFlashDrafter`.
-        ids: prompt + the target's greedy continuation, at least `stop_at + max(block_sizes) - 1` long
-            so that every step's whole block is compared.
-        prompt_len: where the continuation starts (`ids[prompt_len]` is the token prefill commits).
-        stop_at: index in `ids` of the last token the runtime commits.
-        block_sizes: the candidates.
-        taps: `(1, >= stop_at, tH)` target taps of `ids`.
-
-    Returns:
-        Per block size, the acceptance length of each step (as `RequestResult.accept_lengths`).
-    """
-    y = torch.tensor(ids)
-    mask_embed = target.embed_tokens.weight[drafter.config.mask_token_id]
-    runs = [_Replay(size, prompt_len, KVCache.allocate(drafter.config.layers, 1, len(ids) + size, torch.float32))
-            for size in block_sizes]
-    while active := [r for r in runs if r.pos < stop_at]:
-        hidden = []
-        for r in active:
-            block = drafter.block_embeddings(target.embed_tokens(y[r.pos:r.pos + 1])[None], mask_embed, r.size)
-            hidden.append(drafter(block, torch.arange(r.pos, r.pos + r.size), taps[:, r.ctx_start:r.pos],
-                                  torch.arange(r.ctx_start, r.pos), r.cache, r.pos)[0, 1:])  # (size - 1, H)
-        drafts = target.lm_head(torch.cat(hidden)).argmax(-1).split([r.size - 1 for r in active])
-        for r, draft in zip(active, drafts):
-            truth = y[r.pos + 1: r.pos + r.size]
-            accepted = min(int((draft[:len(truth)] == truth).long().cumprod(0).sum()), len(ids) - 1 - r.pos)
-            r.steps.append(accepted + 1)
-            r.ctx_start, r.pos = r.pos, r.pos + accepted + 1
-    return [r.steps for r in runs]
-
-
 # ---------------------------------------------------------------- rows
 
 
@@ -203,7 +152,7 @@ def replay_row(backend, input_ids: list[int], hint: list[int], settings: LabelSe
     y, taps, _ = greedy_continuation(target, input_ids, hint, settings, end_id, drafter.config.target_layer_ids)
     s, _ = tokens_needed(y, settings, end_id)
     k = len(settings.candidates)
-    lengths = replay_candidates(target, drafter, input_ids + y, p, p + s, settings.candidates, taps)
+    lengths = replay_block_sizes(target, drafter, input_ids + y, p, settings.candidates, taps, stop_at=p + s)
     steps = torch.tensor([[len(steps) for steps in lengths]], dtype=torch.int64)
     accepted = torch.tensor([[sum(steps) for steps in lengths]], dtype=torch.int64)
     draft_one = torch.tensor([[step_times["draft_s"][str(c)] for c in settings.candidates]], dtype=torch.float64)

@@ -11,6 +11,8 @@ same tau (up to floating-point differences between one long pass and per-block p
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from blockpilot.models.decoder import Decoder, KVCache
@@ -26,35 +28,53 @@ def sequence_taps(target: Decoder, ids: list[int], tap_layers) -> torch.Tensor:
     return target(target.embed_tokens(torch.tensor([ids])), torch.arange(n), cache, n, tuple(tap_layers)).taps
 
 
+@dataclasses.dataclass
+class _Replay:
+    """Where one block size's replay stands: `ids[pos]` is committed, the drafter has context `[0, ctx_start)`."""
+
+    size: int
+    pos: int
+    cache: KVCache
+    ctx_start: int = 0
+    steps: list[int] = dataclasses.field(default_factory=list)
+
+
 @torch.inference_mode()
+def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt_len: int,
+                       block_sizes, taps: torch.Tensor, stop_at: int | None = None) -> list[list[int]]:
+    """Tokens committed per step, for each block size, when greedily decoding `ids[prompt_len:]`.
+
+    The block sizes run in lockstep so that one `lm_head` call (most of a step's cost on a CPU) serves
+    them all. `stop_at`: stop after the step that commits `ids[stop_at]` (default: the last id), as the
+    runtime stops at its token budget or end id; every step sees its whole block when
+    `len(ids) >= stop_at + block_size - 1`. `taps`: `(1, >= stop_at, tH)` target taps of `ids`.
+    """
+    y = torch.tensor(ids)
+    end = len(ids) - 1 if stop_at is None else min(stop_at, len(ids) - 1)
+    mask_embed = target.embed_tokens.weight[drafter.config.mask_token_id]
+    runs = [_Replay(size, prompt_len, KVCache.allocate(drafter.config.layers, 1, len(ids) + size, torch.float32))
+            for size in block_sizes]
+    while active := [r for r in runs if r.pos < end]:
+        hidden = []
+        for r in active:
+            block = drafter.block_embeddings(target.embed_tokens(y[r.pos:r.pos + 1])[None], mask_embed, r.size)
+            hidden.append(drafter(block, torch.arange(r.pos, r.pos + r.size), taps[:, r.ctx_start:r.pos],
+                                  torch.arange(r.ctx_start, r.pos), r.cache, r.pos)[0, 1:])  # (size - 1, H)
+        drafts = target.lm_head(torch.cat(hidden)).argmax(-1).split([r.size - 1 for r in active])
+        for r, draft in zip(active, drafts):
+            truth = y[r.pos + 1: r.pos + r.size]
+            accepted = min(int((draft[:len(truth)] == truth).long().cumprod(0).sum()), len(ids) - 1 - r.pos)
+            r.steps.append(accepted + 1)
+            r.ctx_start, r.pos = r.pos, r.pos + accepted + 1
+    return [r.steps for r in runs]
+
+
 def replay_accept_lengths(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt_len: int,
                           block_size: int, taps: torch.Tensor | None = None,
                           stop_at: int | None = None) -> list[int]:
-    """Tokens committed per step when greedily decoding `ids[prompt_len:]` at `block_size`.
-
-    `stop_at`: stop after the step that commits `ids[stop_at]` (default: the last id), as the runtime
-    stops at its token budget or end id; every step then sees its whole block when
-    `len(ids) >= stop_at + block_size - 1`.
-    """
+    """Tokens committed per step when greedily decoding `ids[prompt_len:]` at `block_size`."""
     taps = sequence_taps(target, ids, drafter.config.target_layer_ids) if taps is None else taps
-    y = torch.tensor(ids)
-    n = len(ids)
-    cache = KVCache.allocate(drafter.config.layers, 1, n + block_size, torch.float32)
-    mask_embed = target.embed_tokens.weight[drafter.config.mask_token_id]
-    pos, ctx_start, steps = prompt_len, 0, []  # y[pos] is committed; the block starts there
-    end = n - 1 if stop_at is None else min(stop_at, n - 1)
-    while pos < end:
-        block = drafter.block_embeddings(target.embed_tokens(y[pos:pos + 1])[None], mask_embed, block_size)
-        hidden = drafter(block, torch.arange(pos, pos + block_size), taps[:, ctx_start:pos],
-                         torch.arange(ctx_start, pos), cache, pos)
-        draft = target.lm_head(hidden[0, 1:]).argmax(-1)  # (B - 1,)
-        truth = y[pos + 1: pos + block_size]
-        matched = int((draft[: len(truth)] == truth).long().cumprod(0).sum())
-        accepted = min(matched, n - 1 - pos)
-        steps.append(accepted + 1)
-        ctx_start = pos
-        pos += accepted + 1
-    return steps
+    return replay_block_sizes(target, drafter, ids, prompt_len, [block_size], taps, stop_at)[0]
 
 
 def mean_tau(per_prompt_steps: list[list[int]]) -> float:
