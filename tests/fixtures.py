@@ -87,3 +87,26 @@ def target_continuation_backend():
             return torch.stack(tokens, dim=1)  # (B, block_size - 1)
 
     return TargetContinuationBackend
+
+
+WORDS = [f"w{i}" for i in range(90)]
+
+
+def make_word_corpus(tmp: Path) -> tuple[Path, Path]:
+    """A tiny target with a word-level tokenizer over WORDS, and a JSONL of 24 'answers' that repeat a
+    learnable pattern (for training drafters that get some drafts accepted). Returns (target, answers)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target_dir = make_hf_target(tmp, "llama")
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(target_dir)
+    rows = [{"prompt": " ".join(WORDS[i:i + 5]), "answer": " ".join(WORDS[(i + 3 * j) % 40] for j in range(40)),
+             "finish": "stop"} for i in range(24)]
+    answers = tmp / "answers.jsonl"
+    answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return target_dir, answers

@@ -11,9 +11,7 @@ from blockpilot.predictor.labelling import LabelJob, run_label_job
 from blockpilot.predictor.labels import load_label_dataset
 from blockpilot.runtime.runner import Runner
 
-from fixtures import make_hf_target
-
-WORDS = [f"w{i}" for i in range(90)]
+from fixtures import WORDS, make_word_corpus
 PROMPTS = [" ".join(WORDS[i:i + 5]) for i in (0, 7, 21, 33, 50)]
 MAX_NEW = 24
 
@@ -22,23 +20,13 @@ MAX_NEW = 24
 def models(tmp_path_factory):
     """A tiny target with a word-level tokenizer, a drafter trained briefly on a repeated pattern (so
     drafts are sometimes accepted), and an end id that the greedy answer of PROMPTS[1] reaches early."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from blockpilot.training.pipeline import train_drafter_from_args
 
     tmp = tmp_path_factory.mktemp("replay")
-    target = make_hf_target(tmp, "llama")
-    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(target)
-    rows = [{"prompt": " ".join(WORDS[i:i + 5]), "answer": " ".join(WORDS[(i + 3 * j) % 40] for j in range(40)),
-             "finish": "stop"} for i in range(24)]
-    (tmp / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    target, corpus = make_word_corpus(tmp)
     train_drafter_from_args(argparse.Namespace(
         target=target, out=tmp / "drafter", block_size=4, layers=1, taps=2, mask_token_id=3,
-        answers=[tmp / "corpus.jsonl"], prompts=None, regenerate=0, gen_max_new_tokens=16, max_len=64,
+        answers=[corpus], prompts=None, regenerate=0, gen_max_new_tokens=16, max_len=64,
         time_budget=1.0, max_steps=60, sequences_per_step=4, anchors=8, lr=1e-2, gamma=None, valid=2,
         eval_every=100.0, checkpoint_every=100.0, work_dir=tmp / "work", resume=False, no_autocast=True, seed=0))
     greedy = _greedy(target, tmp / "drafter", PROMPTS[1], end_id=-1)

@@ -10,7 +10,7 @@ from blockpilot.models.decoder import KVCache
 from blockpilot.runtime.backend import TorchBackend
 from blockpilot.training.objective import Batch, block_forward
 
-from fixtures import make_drafter, make_hf_target
+from fixtures import make_drafter, make_hf_target, make_word_corpus
 
 
 def test_training_blocks_equal_inference_drafts(tmp_path):
@@ -48,22 +48,7 @@ def _args(tmp_path, answers, **kw):
 @pytest.fixture
 def tiny_corpus(tmp_path):
     """A tiny target with a word-level tokenizer and a file of its 'answers' (a repeated pattern)."""
-    import json
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    target_dir = make_hf_target(tmp_path, "llama")
-    words = [f"w{i}" for i in range(90)]
-    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(target_dir)
-    rows = [{"prompt": " ".join(words[i:i + 5]), "answer": " ".join(words[(i + 3 * j) % 40] for j in range(40)),
-             "finish": "stop"} for i in range(24)]
-    answers = tmp_path / "answers.jsonl"
-    answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return target_dir, answers
+    return make_word_corpus(tmp_path)
 
 
 def test_training_lowers_the_loss_and_resumes(tmp_path, tiny_corpus):
