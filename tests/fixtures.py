@@ -10,6 +10,9 @@ from blockpilot.models.checkpoint import save_drafter
 from blockpilot.models.config import DecoderConfig, DrafterConfig, default_target_layer_ids
 from blockpilot.models.dflash import DFlashDrafter
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+"""Devices the device-generic tests run on: CUDA too where a GPU is present."""
+
 TINY = dict(
     vocab_size=97,
     hidden_size=32,

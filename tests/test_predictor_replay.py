@@ -26,7 +26,7 @@ def models(tmp_path_factory):
     target, corpus = make_word_corpus(tmp)
     train_drafter_from_args(argparse.Namespace(
         target=target, out=tmp / "drafter", block_size=4, layers=1, taps=2, mask_token_id=3,
-        answers=[corpus], prompts=None, regenerate=0, gen_max_new_tokens=16, max_len=64,
+        answers=[corpus], prompts=None, regenerate=0, gen_max_new_tokens=16, gen_batch_size=4, device="cpu", max_len=64,
         time_budget=1.0, max_steps=60, sequences_per_step=4, anchors=8, lr=1e-2, gamma=None, valid=2,
         eval_every=100.0, checkpoint_every=100.0, work_dir=tmp / "work", resume=False, no_autocast=True, seed=0))
     greedy = _greedy(target, tmp / "drafter", PROMPTS[1], end_id=-1)

@@ -10,7 +10,7 @@ from blockpilot.models.decoder import KVCache
 from blockpilot.runtime.backend import TorchBackend
 from blockpilot.training.objective import Batch, block_forward
 
-from fixtures import make_drafter, make_hf_target, make_word_corpus
+from fixtures import DEVICES, make_drafter, make_hf_target, make_word_corpus
 
 
 def test_training_blocks_equal_inference_drafts(tmp_path):
@@ -40,7 +40,7 @@ def _args(tmp_path, answers, **kw):
                 answers=[answers], prompts=None, regenerate=0, gen_max_new_tokens=16, max_len=64,
                 time_budget=1.0, max_steps=30, sequences_per_step=4, anchors=8, lr=3e-3, gamma=None,
                 valid=2, eval_every=100.0, checkpoint_every=100.0, work_dir=tmp_path / "work",
-                resume=False, no_autocast=True, seed=0)
+                resume=False, no_autocast=True, seed=0, device="cpu", gen_batch_size=4)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -51,18 +51,19 @@ def tiny_corpus(tmp_path):
     return make_word_corpus(tmp_path)
 
 
-def test_training_lowers_the_loss_and_resumes(tmp_path, tiny_corpus):
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_lowers_the_loss_and_resumes(tmp_path, tiny_corpus, device):
     import json
 
     from blockpilot.training.pipeline import train_drafter_from_args
 
     target_dir, answers = tiny_corpus
-    train_drafter_from_args(_args(tmp_path, answers, target=target_dir, max_steps=30))
+    train_drafter_from_args(_args(tmp_path, answers, target=target_dir, max_steps=30, device=device))
     log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
     assert log["steps"] == 30
     state = torch.load(tmp_path / "work" / "checkpoint" / "train_state.pt", weights_only=True)
     assert state["step"] == 30
-    train_drafter_from_args(_args(tmp_path, answers, target=target_dir, max_steps=45, resume=True))
+    train_drafter_from_args(_args(tmp_path, answers, target=target_dir, max_steps=45, resume=True, device=device))
     resumed = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
     assert resumed["steps"] == 45  # continued from step 30, not from scratch
     assert resumed["log"][-1]["train_loss"] < log["log"][-1]["train_loss"]  # steps 30-45 vs 0-30
@@ -88,3 +89,66 @@ def test_replayed_greedy_steps_equal_the_runtime_steps(tmp_path, tiny_corpus):
             assert steps[:-1] == out["accept_lengths"][0][: len(steps) - 1]
             accepted_any |= max(steps) > 1
     assert accepted_any  # the comparison exercised accepted drafts, not only rejections
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_answer_command_writes_the_targets_greedy_answers_and_resumes(tmp_path, tiny_corpus, device):
+    """`blockpilot answer` rows equal unbatched greedy generation; a rerun answers only new prompts."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from blockpilot.cli import main
+
+    target_dir, _ = tiny_corpus
+    from fixtures import WORDS
+
+    texts = [" ".join(WORDS[i:i + n]) for i, n in ((0, 3), (5, 7), (9, 2), (20, 5), (30, 4))]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t, "source": "unit"}) + "\n" for t in texts))
+    out = tmp_path / "regenerated.jsonl"
+    common = ["answer", "--target", str(target_dir), "--prompts", str(prompts), "--out", str(out),
+              "--max-new-tokens", "6", "--batch-size", "2", "--device", device]
+    assert main([*common, "--limit", "3"]) == 0
+    assert len(out.read_text().splitlines()) == 3
+    assert main(common) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["prompt"] for r in rows) == sorted(texts)  # 3 kept, 2 added, none twice
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for row in rows:
+        ids = torch.tensor([tokenizer(row["prompt"])["input_ids"]])
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+        eos = tokenizer.eos_token_id
+        expected = ref[: ref.index(eos)] if eos in ref else ref
+        assert row["answer_ids"] == expected, row["prompt"]
+        assert row["finish"] == ("stop" if eos in ref else "length")
+        assert row["source"] == "unit"
+
+
+def test_answer_command_rejects_bad_input_with_one_line(tmp_path, tiny_corpus, capsys):
+    from blockpilot.cli import main
+
+    target_dir, _ = tiny_corpus
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "a b"}\n')
+    cases = [
+        (["--target", str(target_dir), "--prompts", str(empty), "--out", str(tmp_path / "o.jsonl")], "no prompts"),
+        (["--target", str(target_dir), "--prompts", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o.jsonl")],
+         "cannot read"),
+        (["--target", str(tmp_path), "--prompts", str(good), "--out", str(tmp_path / "o.jsonl")], "config.json"),
+        (["--target", str(target_dir), "--prompts", str(good), "--out", str(tmp_path / "no" / "o.jsonl")],
+         "does not exist"),
+        (["--target", str(target_dir), "--prompts", str(good), "--out", str(tmp_path / "o.jsonl"),
+          "--batch-size", "0"], "--batch-size must be positive"),
+        (["--target", str(target_dir), "--prompts", str(good), "--out", str(tmp_path / "o.jsonl"),
+          "--device", "tpu"], "--device"),
+    ]
+    for argv, expected in cases:
+        assert main(["answer", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "o.jsonl").exists()

@@ -14,7 +14,7 @@ import sys
 
 from blockpilot.errors import UserError
 
-COMMANDS = ("generate", "demo", "train_drafter", "label", "train_predictor", "build", "profile")
+COMMANDS = ("generate", "demo", "answer", "train_drafter", "label", "train_predictor", "build", "profile")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from blockpilot.devices import resolve_device
 from blockpilot.errors import UserError
 
 BASELINES = "ar,hf-ar,hf-dflash,hf-prompt-lookup"
@@ -108,8 +109,6 @@ def _f(x) -> str:
 
 
 def _sources(args):
-    import torch
-
     from blockpilot.profiling.session import resolve_dtype
     from blockpilot.profiling.systems import ModelSources
 
@@ -123,9 +122,7 @@ def _sources(args):
         target, drafter, predictor = _embedded_default(drafter, predictor)
     if predictor is not None and not predictor.is_file():
         raise UserError(f"--predictor {predictor}: no such file")
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device} but CUDA is not available; use --device cpu")
+    device = resolve_device(args.device)
     return ModelSources(target, drafter, args.engine_dir, args.backend, device, resolve_dtype(args.dtype),
                         predictor, args.predictor_threshold, tokenizer)
 

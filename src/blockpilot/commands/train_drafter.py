@@ -24,6 +24,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompts", type=Path, help="JSONL of {prompt} to answer with the target first")
     p.add_argument("--regenerate", type=int, default=0, help="how many --prompts to answer (0: none)")
     p.add_argument("--gen-max-new-tokens", type=int, default=256)
+    p.add_argument("--gen-batch-size", type=int, default=16, help="prompts answered per batch")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--time-budget", type=float, required=True, help="minutes of training (schedule fits it)")
     p.add_argument("--max-steps", type=int, default=1_000_000)

@@ -92,9 +92,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir: Path | str, extra_files: dict[
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        state = {k: v.detach().contiguous() for k, v in drafter.state_dict().items() if k != MASK_EMBEDDING_KEY}
+        state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != MASK_EMBEDDING_KEY}
         if drafter.mask_embedding is not None:
-            state[MASK_EMBEDDING_KEY] = drafter.mask_embedding.detach().contiguous()
+            state[MASK_EMBEDDING_KEY] = drafter.mask_embedding.detach().cpu().contiguous()
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         config = drafter.config.to_dict()
         config["torch_dtype"] = str(drafter.fc.weight.dtype).removeprefix("torch.")

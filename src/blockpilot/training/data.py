@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -64,33 +65,41 @@ def tokenize_rows(rows: list[dict], tokenizer, max_len: int) -> list[Sequence]:
 
 @torch.inference_mode()
 def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: int, batch_size: int,
-                       out_path: Path, sources: list[str] | None = None) -> Path:
-    """Answer `prompts` with the target (greedy, batched, left padding) into a JSONL file.
+                       out_path: Path, sources: list[str] | None = None, device: str = "cpu",
+                       time_budget_s: float | None = None) -> Path:
+    """Answer `prompts` with the target (fp32 greedy, batched by similar length, left padding) into JSONL.
 
-    Appends to `out_path` and skips prompts already answered there, so an interrupted run resumes.
+    Appends to `out_path` one complete line per answer and skips prompts already answered there, so
+    an interrupted run resumes. With `time_budget_s`, no new batch starts once the budget is spent.
+    Each row holds `source, prompt, answer, answer_ids, finish` ("stop" at the end token, else "length").
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    began = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     done = {r["prompt"] for r in read_answer_rows(out_path)} if out_path.exists() and out_path.stat().st_size else set()
-    todo = [(p, (sources or [""] * len(prompts))[i]) for i, p in enumerate(prompts) if p not in done]
-    with out_path.open("a") as out:
-        for start in tqdm(range(0, len(todo), batch_size), desc="regenerating answers", unit="batch"):
+    sources = sources or [""] * len(prompts)
+    todo = [(chat_prompt_ids(tokenizer, p), p, sources[i]) for i, p in enumerate(prompts) if p not in done]
+    todo.sort(key=lambda item: len(item[0]))  # similar lengths share a batch: little padding
+    with out_path.open("a") as out, tqdm(total=len(todo), desc="answering prompts", unit="prompt") as bar:
+        for start in range(0, len(todo), batch_size):
+            if time_budget_s is not None and time.perf_counter() - began > time_budget_s:
+                tqdm.write(f"time budget spent: {start} of {len(todo)} prompts answered; run again to resume")
+                break
             batch = todo[start:start + batch_size]
-            encoded = [chat_prompt_ids(tokenizer, p) for p, _ in batch]
-            width = max(map(len, encoded))
-            ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded])
-            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+            width = max(len(e) for e, _, _ in batch)
+            ids = torch.tensor([[pad_id] * (width - len(e)) + e for e, _, _ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e, _, _ in batch], device=device)
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=pad_id)
-            for (prompt, source), row in zip(batch, gen[:, width:].tolist()):
+                                 do_sample=False, pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id)
+            for (_, prompt, source), row in zip(batch, gen[:, width:].tolist()):
                 stop = tokenizer.eos_token_id in row
                 answer_ids = row[: row.index(tokenizer.eos_token_id)] if stop else row
                 out.write(json.dumps({"source": source, "prompt": prompt,
                                       "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
                                       "answer_ids": answer_ids, "finish": "stop" if stop else "length"}) + "\n")
             out.flush()
+            bar.update(len(batch))
     return out_path

@@ -20,8 +20,13 @@ from blockpilot.training.data import Sequence
 
 @torch.inference_mode()
 def extract_taps(target: Decoder, sequences: list[Sequence], tap_layers: tuple[int, ...],
-                 tokens_per_batch: int = 4096, autocast: bool = True) -> list[torch.Tensor]:
-    """Per-sequence taps `(L_i, len(tap_layers) * H)` in bf16, batched by similar length."""
+                 tokens_per_batch: int | None = None, autocast: bool = True) -> list[torch.Tensor]:
+    """Per-sequence taps `(L_i, len(tap_layers) * H)` in bf16, batched by similar length.
+
+    Runs on the target's device and leaves the taps there; `tokens_per_batch` defaults to 4096 on
+    CPU and 32768 on CUDA."""
+    device = target.embed_tokens.weight.device
+    tokens_per_batch = tokens_per_batch or (32768 if device.type == "cuda" else 4096)
     lengths = [len(s.ids) for s in sequences]
     out: list[torch.Tensor | None] = [None] * len(sequences)
     progress = tqdm(total=sum(lengths), desc="target features", unit="tok")
@@ -30,9 +35,10 @@ def extract_taps(target: Decoder, sequences: list[Sequence], tap_layers: tuple[i
         ids = torch.zeros(len(group), width, dtype=torch.long)  # right padding never reaches earlier positions
         for row, i in enumerate(group):
             ids[row, : len(sequences[i].ids)] = torch.tensor(sequences[i].ids)
-        cache = KVCache.allocate(target.config, len(group), width, torch.float32)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            taps = target(target.embed_tokens(ids), torch.arange(width), cache, width, tap_layers).taps
+        ids = ids.to(device)
+        cache = KVCache.allocate(target.config, len(group), width, torch.float32, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            taps = target(target.embed_tokens(ids), torch.arange(width, device=device), cache, width, tap_layers).taps
         for row, i in enumerate(group):
             out[i] = taps[row, : len(sequences[i].ids)].to(torch.bfloat16).clone()
         progress.update(sum(lengths[i] for i in group))
@@ -54,7 +60,7 @@ def _length_groups(lengths: list[int], tokens_per_batch: int) -> list[list[int]]
 def save_feature_cache(path: Path, sequences: list[Sequence], taps: list[torch.Tensor], meta: dict) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / "features.safetensors.tmp"
-    save_file({f"seq_{i}": t.contiguous() for i, t in enumerate(taps)}, tmp)
+    save_file({f"seq_{i}": t.cpu().contiguous() for i, t in enumerate(taps)}, tmp)
     (path / "sequences.json").write_text(json.dumps({
         "meta": meta,
         "sequences": [{"ids": list(s.ids), "answer_start": s.answer_start, "source": s.source} for s in sequences],

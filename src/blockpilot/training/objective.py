@@ -29,6 +29,9 @@ class Batch:
     anchors: torch.Tensor  # (N, A) anchor positions
     anchor_valid: torch.Tensor  # (N, A) bool: False for padding anchors
 
+    def to(self, device) -> "Batch":
+        return Batch(*(getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(self)))
+
 
 def default_gamma(block_size: int) -> float:
     """Loss-decay constant of the public recipe: 7 for B = 16, 5 for 10, 4 for 8."""
@@ -51,19 +54,19 @@ def block_forward(drafter: DFlashDrafter, embed_weight: torch.Tensor, batch: Bat
     `block_size` defaults to the drafter's training block size."""
     n, a = batch.anchors.shape
     bsz = block_size or drafter.config.block_size
-    seq_len = batch.ids.shape[1]
-    offsets = torch.arange(bsz)
+    seq_len, dev = batch.ids.shape[1], batch.ids.device
+    offsets = torch.arange(bsz, device=dev)
     block_pos = (batch.anchors[..., None] + offsets).reshape(n * a, bsz)  # (NA, B)
     first = batch.ids.gather(1, batch.anchors).reshape(n * a, 1)  # (NA, 1)
     mask_id = drafter.config.mask_token_id
     x = drafter.block_embeddings(F.embedding(first, embed_weight), embed_weight[mask_id], bsz)
 
     context = drafter.hidden_norm(drafter.fc(batch.taps.to(x.dtype)))  # (N, L, H)
-    ctx_rope = drafter.rope(torch.arange(seq_len), x.dtype)
+    ctx_rope = drafter.rope(torch.arange(seq_len, device=dev), x.dtype)
     cos, sin = drafter.rope(block_pos.clamp(max=drafter.rope.cos.shape[0] - 1), x.dtype)
     block_rope = (cos[:, None], sin[:, None])  # (NA, 1, B, hd): per-block positions
-    ctx_visible = torch.arange(seq_len)[None, :] < batch.anchors.reshape(n * a, 1)  # (NA, L)
-    mask = torch.cat((ctx_visible, torch.ones(n * a, bsz, dtype=torch.bool)), dim=1)
+    ctx_visible = torch.arange(seq_len, device=dev)[None, :] < batch.anchors.reshape(n * a, 1)  # (NA, L)
+    mask = torch.cat((ctx_visible, torch.ones(n * a, bsz, dtype=torch.bool, device=dev)), dim=1)
     mask = mask[:, None, None, :].expand(n * a, 1, bsz, seq_len + bsz)
     for layer in drafter.layers:
         k_ctx, v_ctx = layer.context_kv(context, ctx_rope)  # (N, nkv, L, hd)
@@ -74,7 +77,7 @@ def block_forward(drafter: DFlashDrafter, embed_weight: torch.Tensor, batch: Bat
 def block_labels(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Targets `(N * A, B - 1)` (token at anchor + k) and a validity mask of the same shape."""
     n, a = batch.anchors.shape
-    pos = batch.anchors[..., None] + torch.arange(1, block_size)  # (N, A, B-1)
+    pos = batch.anchors[..., None] + torch.arange(1, block_size, device=batch.anchors.device)  # (N, A, B-1)
     valid = (pos < batch.lengths[:, None, None]) & batch.anchor_valid[..., None]
     labels = batch.ids.gather(1, pos.clamp(max=batch.ids.shape[1] - 1).reshape(n, -1)).reshape(n, a, -1)
     return labels.reshape(n * a, -1), valid.reshape(n * a, -1)
@@ -91,7 +94,7 @@ def drafter_loss(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_wei
     labels, valid = block_labels(batch, bsz)
     logits = F.linear(hidden, lm_head_weight.detach())  # (NA, B-1, V)
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    slot_weight = torch.exp(-torch.arange(bsz - 1, dtype=torch.float32) / gamma)  # slot k -> exp(-(k-1)/g)
+    slot_weight = torch.exp(-torch.arange(bsz - 1, dtype=torch.float32, device=ce.device) / gamma)  # exp(-(k-1)/g)
     w = slot_weight[None, :] * valid
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from blockpilot.devices import resolve_device
 from blockpilot.errors import UserError
 from blockpilot.models.checkpoint import load_target, save_drafter
 from blockpilot.models.config import DecoderConfig, DrafterConfig, check_drafter_fits_target, default_target_layer_ids
@@ -59,8 +60,8 @@ def _gather_rows(args, target_dir: Path, work_dir: Path) -> list[dict]:
 
         prompts = load_jsonl_prompts(args.prompts)[: args.regenerate]
         out = regenerate_answers(target_dir, [p.text for p in prompts], max_new_tokens=args.gen_max_new_tokens,
-                                 batch_size=16, out_path=work_dir / "regenerated_answers.jsonl",
-                                 sources=[p.category for p in prompts])
+                                 batch_size=args.gen_batch_size, out_path=work_dir / "regenerated_answers.jsonl",
+                                 sources=[p.category for p in prompts], device=args.device)
         rows += read_answer_rows(out)
     return rows
 
@@ -73,19 +74,21 @@ def _features(args, target, tokenizer, target_dir: Path, work_dir: Path, tap_lay
     }, sort_keys=True).encode()).hexdigest()[:16]
     cached = load_feature_cache(work_dir / "features")
     if cached is not None and cached[2].get("key") == key:
-        return cached[0], cached[1]
+        return cached[0], [t.to(args.device) for t in cached[1]]
     sequences = tokenize_rows(rows, tokenizer, args.max_len)
     taps = extract_taps(target, sequences, tuple(tap_layers))
-    save_feature_cache(work_dir / "features", sequences, taps, {"key": key})
+    if torch.device(args.device).type == "cpu":  # on a GPU recomputing takes seconds; writing tens of GB does not
+        save_feature_cache(work_dir / "features", sequences, taps, {"key": key})
     return sequences, taps
 
 
 def train_drafter_from_args(args: argparse.Namespace) -> Path:
     _check_args(args)
+    args.device = resolve_device(args.device)
     target_dir, mask_token_id = _resolve_target(args)
     if mask_token_id is None:
         raise UserError("--mask-token-id is required for this target: pick a special token it never uses")
-    target = load_target(target_dir)
+    target = load_target(target_dir).to(args.device)
     config = drafter_config_for(target.config, block_size=args.block_size, layers=args.layers,
                                 taps=args.taps, mask_token_id=mask_token_id)
     check_drafter_fits_target(target.config, config, where="the requested drafter")
@@ -98,18 +101,19 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
     items = [(sequences[i], taps[i]) for i in order]
     data = TrainData(train=items[args.valid:], valid=items[: args.valid])
     torch.manual_seed(args.seed)
-    drafter = DFlashDrafter(config)
+    drafter = DFlashDrafter(config).to(args.device)
     train_config = TrainConfig(
         time_budget_s=args.time_budget * 60, max_steps=args.max_steps, sequences_per_step=args.sequences_per_step,
         anchors_per_sequence=args.anchors, lr=args.lr, gamma=args.gamma or default_gamma(args.block_size),
         eval_every_s=args.eval_every * 60, checkpoint_every_s=args.checkpoint_every * 60,
-        autocast=not args.no_autocast, seed=args.seed)
+        autocast=not args.no_autocast, seed=args.seed, device=args.device)
     trainer = Trainer(drafter, target, data, train_config, work_dir)
     if args.resume and not trainer.load_checkpoint():
         raise UserError(f"--resume: no checkpoint in {work_dir}; run without --resume first")
     began = time.time()
     log = trainer.run()
     summary = {"steps": trainer.step, "train_seconds": round(trainer.elapsed, 1), "sequences": len(data.train),
+               "hardware": _hardware(args.device),
                "answer_tokens": sum(len(s.ids) - s.answer_start for s, _ in data.train),
                "config": dataclasses.asdict(train_config), "log": log, "wall_seconds_this_run": round(time.time() - began)}
     save_drafter(drafter.half(), args.out, extra_files={"training_log.json": json.dumps(summary, indent=1)})
@@ -123,3 +127,12 @@ def _check_resume_target(work_dir: Path, target: DecoderConfig, resume: bool) ->
     if resume and ckpt.is_file():
         saved = DrafterConfig.from_dict(json.loads(ckpt.read_text()), str(ckpt))
         check_drafter_fits_target(target, saved, where=f"the checkpoint in {work_dir}")
+
+
+def _hardware(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    import os
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), torch {torch.__version__}"

@@ -1,7 +1,8 @@
 """The drafter training loop: AdamW, warm-up + cosine schedule, time budget, resumable checkpoints.
 
-The schedule is fitted to the time budget: after a few steps the measured step rate fixes the total
-number of steps, so the cosine reaches zero when the budget ends. A checkpoint (drafter weights in
+The schedule is fitted to the time budget: the step rate measured after a few warm-up steps (which
+pay one-off costs such as CUDA initialisation) fixes the total number of steps, refined a few times
+early in the run, so the cosine reaches zero when the budget ends. A checkpoint (drafter weights in
 safetensors + optimizer state loadable with `weights_only=True`) is written every few minutes into
 the work directory; `resume=True` continues from it.
 """
@@ -39,6 +40,11 @@ class TrainConfig:
     checkpoint_every_s: float = 600.0
     autocast: bool = True
     seed: int = 0
+    device: str = "cpu"
+
+    def autocast_context(self):
+        """bf16 autocast on the training device (disabled with `autocast=False`)."""
+        return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast)
 
 
 @dataclasses.dataclass
@@ -47,21 +53,24 @@ class TrainData:
     valid: list[tuple[Sequence, torch.Tensor]]
 
 
-def make_batch(items: list[tuple[Sequence, torch.Tensor]], anchors: int, generator: torch.Generator) -> Batch:
-    """Right-pad `items` (sequence, taps) and draw `anchors` anchors in each answer."""
+def make_batch(items: list[tuple[Sequence, torch.Tensor]], anchors: int, generator: torch.Generator,
+               device: str = "cpu") -> Batch:
+    """Right-pad `items` (sequence, taps) and draw `anchors` anchors in each answer, on `device`.
+
+    Anchors are drawn on the CPU with `generator` (so runs are reproducible on any device); the taps
+    are padded where they live (GPU memory when the features were extracted there)."""
     width = max(len(s.ids) for s, _ in items)
     ids = torch.zeros(len(items), width, dtype=torch.long)
-    taps = torch.zeros(len(items), width, items[0][1].shape[-1], dtype=items[0][1].dtype)
+    taps = torch.nn.utils.rnn.pad_sequence([tap for _, tap in items], batch_first=True)
     anchor_pos = torch.zeros(len(items), anchors, dtype=torch.long)
     valid = torch.zeros(len(items), anchors, dtype=torch.bool)
-    for row, (seq, tap) in enumerate(items):
+    for row, (seq, _) in enumerate(items):
         ids[row, : len(seq.ids)] = torch.tensor(seq.ids)
-        taps[row, : len(seq.ids)] = tap
         drawn = sample_anchors(seq.answer_start, len(seq.ids), anchors, generator)
         anchor_pos[row, : len(drawn)] = drawn
         valid[row, : len(drawn)] = True
     lengths = torch.tensor([len(s.ids) for s, _ in items])
-    return Batch(ids, taps, lengths, anchor_pos, valid)
+    return Batch(ids, taps, lengths, anchor_pos, valid).to(device)
 
 
 def lr_factor(step: int, total: int, warmup_frac: float) -> float:
@@ -79,8 +88,8 @@ def evaluate(drafter: DFlashDrafter, target: Decoder, data: list[tuple[Sequence,
     generator = torch.Generator().manual_seed(1234)
     correct, valid = [], []
     for start in range(0, len(data), config.sequences_per_step):
-        batch = make_batch(data[start:start + config.sequences_per_step], 32, generator)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast):
+        batch = make_batch(data[start:start + config.sequences_per_step], 32, generator, config.device)
+        with config.autocast_context():
             _, stats = drafter_loss(drafter, target.embed_tokens.weight, target.lm_head.weight, batch, config.gamma)
         correct.append(stats["correct"])
         valid.append(stats["valid"])
@@ -117,12 +126,12 @@ class Trainer:
         if saved.config != self.drafter.config:
             raise UserError(f"checkpoint in {ckpt} was made with other drafter settings; drop --resume or use another --work-dir")
         self.drafter.load_state_dict(saved.state_dict())
-        state = torch.load(ckpt / "train_state.pt", weights_only=True)
+        state = torch.load(ckpt / "train_state.pt", weights_only=True, map_location=self.config.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.total_steps, self.elapsed = state["step"], state["total_steps"], state["elapsed"]
         if self.total_steps == state["max_steps"]:  # the schedule was set by --max-steps, not the budget
             self.total_steps = self.config.max_steps
-        self.generator.set_state(state["generator"])
+        self.generator.set_state(state["generator"].cpu())
         log_path = self.work_dir / "train_log.json"
         self.log = json.loads(log_path.read_text()) if log_path.is_file() else []
         return True
@@ -132,10 +141,10 @@ class Trainer:
     def train_step(self) -> float:
         c = self.config
         picks = torch.randint(len(self.data.train), (c.sequences_per_step,), generator=self.generator).tolist()
-        batch = make_batch([self.data.train[i] for i in picks], c.anchors_per_sequence, self.generator)
+        batch = make_batch([self.data.train[i] for i in picks], c.anchors_per_sequence, self.generator, c.device)
         for group in self.optimizer.param_groups:
             group["lr"] = c.lr * lr_factor(self.step, self.total_steps, c.warmup_frac)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.autocast):
+        with c.autocast_context():
             loss, _ = drafter_loss(self.drafter, self.target.embed_tokens.weight, self.target.lm_head.weight,
                                    batch, c.gamma)
         self.optimizer.zero_grad(set_to_none=True)
@@ -150,6 +159,8 @@ class Trainer:
         c = self.config
         began = time.perf_counter() - self.elapsed
         last_eval = last_ckpt = time.perf_counter()
+        first_step = self.step
+        rate_mark = (self.step, self.elapsed)
         self.drafter.train()
         bar = tqdm(total=self.total_steps if self.total_steps < 1_000_000 else None, initial=self.step,
                    desc="train-drafter", unit="step")
@@ -157,8 +168,10 @@ class Trainer:
         while self.step < self.total_steps and time.perf_counter() - began < c.time_budget_s:
             losses.append(self.train_step())
             self.elapsed = time.perf_counter() - began
-            if self.step == 20 or (self.step > 20 and self.total_steps >= 1_000_000):
-                self._fit_schedule_to_budget(bar)
+            if self.step - first_step == self.RATE_FROM:
+                rate_mark = (self.step, self.elapsed)
+            if self.step - first_step in self.FIT_AT:
+                self._fit_schedule_to_budget(bar, rate_mark)
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{self.optimizer.param_groups[0]['lr']:.1e}")
             now = time.perf_counter()
@@ -173,9 +186,14 @@ class Trainer:
         self.save_checkpoint()
         return self.log
 
-    def _fit_schedule_to_budget(self, bar) -> None:
-        rate = self.step / max(self.elapsed, 1e-6)
-        fitted = int(rate * self.config.time_budget_s * 0.97)
+    RATE_FROM = 5
+    """The first steps of a run are not timed for the schedule (one-off start-up costs)."""
+    FIT_AT = (20, 60, 200, 1000)
+    """Steps into a run at which the total step count is (re)fitted to the remaining budget."""
+
+    def _fit_schedule_to_budget(self, bar, rate_mark: tuple[int, float]) -> None:
+        rate = (self.step - rate_mark[0]) / max(self.elapsed - rate_mark[1], 1e-6)
+        fitted = self.step + int(rate * (self.config.time_budget_s - self.elapsed) * 0.97)
         self.total_steps = max(self.step + 1, min(self.config.max_steps, fitted))
         bar.total = self.total_steps
         bar.refresh()

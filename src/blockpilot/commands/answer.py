@@ -1,0 +1,52 @@
+"""`blockpilot answer`: the target's own greedy answers to training prompts (drafter training data)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "answer",
+        help="answer training prompts with the target (greedy, batched) into a JSONL file for train-drafter",
+        description="Self-distillation data: the target answers each prompt greedily (fp32, batched by length). "
+        "Rows {source, prompt, answer, answer_ids, finish} are appended to --out; prompts already answered "
+        "there are skipped, so rerunning resumes. Feed the file to `train-drafter --answers`.",
+    )
+    p.add_argument("--target", type=Path, help="target model dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts", type=Path, required=True, help="JSONL file, one {\"prompt\": ...} a line")
+    p.add_argument("--out", type=Path, required=True, help="answers JSONL (appended to; resumes)")
+    p.add_argument("--limit", type=int, help="answer only the first N prompts of the file")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per generate() call")
+    p.add_argument("--time-budget", type=float, help="minutes; no new batch starts after it (resume later)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockpilot.assets.prompts import load_jsonl_prompts
+    from blockpilot.devices import resolve_device
+    from blockpilot.errors import UserError
+    from blockpilot.training.data import regenerate_answers
+
+    for name in ("limit", "max_new_tokens", "batch_size", "time_budget"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive (got {value})")
+    if args.target is not None and not (args.target / "config.json").is_file():
+        raise UserError(f"--target {args.target}: no config.json there; give a Hugging Face model dir")
+    device = resolve_device(args.device)
+    prompts = load_jsonl_prompts(args.prompts)[: args.limit]
+    if not args.out.parent.is_dir():
+        raise UserError(f"--out {args.out}: folder {args.out.parent} does not exist; create it first")
+    if args.target is None:
+        from blockpilot.assets.smollm2 import smollm2_dir
+
+        args.target = smollm2_dir()
+    regenerate_answers(args.target, [p.text for p in prompts], max_new_tokens=args.max_new_tokens,
+                       batch_size=args.batch_size, out_path=args.out, sources=[p.category for p in prompts],
+                       device=device, time_budget_s=args.time_budget * 60 if args.time_budget else None)
+    print(f"answers in {args.out}")
+    return 0
