@@ -25,12 +25,16 @@ from blockpilot.models.checkpoint import load_drafter, load_target
 from blockpilot.runtime.runner import Runner
 from blockpilot.text import chat_prompt_ids
 from blockpilot.training.data import read_answer_rows, regenerate_answers
-from blockpilot.training.evaluate import anchored_tau, mean_tau, replay_accept_lengths, sequence_taps
+from blockpilot.training.evaluate import anchored_tau, mean_tau, replay_block_sizes, sequence_taps
 
 
 def parse_range(text: str) -> list[int]:
-    lo, _, hi = text.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
+    """`2-20`, `4,8,16` or a mix such as `2-4,8`; empty text: no sizes."""
+    sizes = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        sizes += range(int(lo), int(hi or lo) + 1)
+    return sizes
 
 
 def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int,
@@ -45,17 +49,19 @@ def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int
 def eval_t0(target, drafter, tokenizer, rows, block_sizes, replay_sizes, replay_prompts, stride) -> dict:
     """Anchored (simulated) tau at every size on all rows; exact replay at `replay_sizes` on a subset."""
     anchored = {b: [] for b in block_sizes}
-    steps = {b: [] for b in replay_sizes}
+    steps: dict[int, list[list[int]]] = {b: [] for b in replay_sizes}
     for i, row in enumerate(tqdm(rows, desc="T=0", unit="prompt")):
         prompt = chat_prompt_ids(tokenizer, row["prompt"])
         ids = prompt + row["answer_ids"] + ([tokenizer.eos_token_id] if row["finish"] == "stop" else [])
         taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
         for b in block_sizes:
             anchored[b].append(anchored_tau(target, drafter, ids, len(prompt), b, taps, stride))
-        for b in replay_sizes if i < replay_prompts else ():
-            steps[b].append(replay_accept_lengths(target, drafter, ids, len(prompt), b, taps))
+        if i < replay_prompts and replay_sizes:
+            for b, run in zip(replay_sizes, replay_block_sizes(target, drafter, ids, len(prompt), replay_sizes, taps)):
+                steps[b].append(run)
     return {"anchored": {b: _nanmean(v) for b, v in anchored.items()},
-            "replay": {b: mean_tau(s) for b, s in steps.items()}, "replay_prompts": min(replay_prompts, len(rows))}
+            "replay": {b: mean_tau(s) for b, s in steps.items()}, "replay_prompts": min(replay_prompts, len(rows)),
+            "replay_steps": steps}
 
 
 def _nanmean(values: list[float]) -> float:
@@ -79,10 +85,10 @@ def main() -> None:
     ap.add_argument("--drafter", type=Path, required=True)
     ap.add_argument("--target", type=Path)
     ap.add_argument("--datasets", default="humaneval,mtbench")
-    ap.add_argument("--block-sizes", default="2-20")
+    ap.add_argument("--block-sizes", default="2-20", help="anchored-tau sizes, e.g. 2-20 or 4,8,16 ('' : none)")
     ap.add_argument("--limit", type=int, help="first N prompts per dataset at T=0")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--replay-block-sizes", default="16", help="exact replay sizes (subset of prompts)")
+    ap.add_argument("--replay-block-sizes", default="16", help="exact replay sizes, e.g. 2-20 (per-prompt steps saved)")
     ap.add_argument("--replay-prompts", type=int, default=10)
     ap.add_argument("--anchor-stride", type=int, default=1, help="anchor every k-th answer position")
     ap.add_argument("--t1-prompts", type=int, default=0, help="prompts per dataset at T=1 (0: skip)")

@@ -9,8 +9,8 @@ from pathlib import Path
 from blockpilot.errors import UserError
 
 _HERE = Path(__file__).parent
-DEFAULT_DRAFTER_NAME = "smollm2-135m-instruct-dflash-b16"
-DEFAULT_PREDICTOR_NAME = "smollm2-135m-instruct-dflash-b16.onnx"
+DEFAULT_DRAFTER_NAME = "smollm2-135m-instruct-dflash-b8"
+DEFAULT_PREDICTOR_NAME = "smollm2-135m-instruct-dflash-b8.onnx"
 
 
 def default_drafter_dir() -> Path:
