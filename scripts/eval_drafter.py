@@ -46,7 +46,8 @@ def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int
     return [dict(by_prompt[p.text], category=p.category) for p in prompts]
 
 
-def eval_t0(target, drafter, tokenizer, rows, block_sizes, replay_sizes, replay_prompts, stride) -> dict:
+def eval_t0(target, drafter, tokenizer, rows, block_sizes, replay_sizes, replay_prompts, stride,
+            checkpoint=None) -> dict:
     """Anchored (simulated) tau at every size on all rows; exact replay at `replay_sizes` on a subset."""
     anchored = {b: [] for b in block_sizes}
     steps: dict[int, list[list[int]]] = {b: [] for b in replay_sizes}
@@ -59,6 +60,9 @@ def eval_t0(target, drafter, tokenizer, rows, block_sizes, replay_sizes, replay_
         if i < replay_prompts and replay_sizes:
             for b, run in zip(replay_sizes, replay_block_sizes(target, drafter, ids, len(prompt), replay_sizes, taps)):
                 steps[b].append(run)
+        if checkpoint is not None and (i + 1) % 10 == 0:  # partial results survive an interrupted run
+            checkpoint({"partial_prompts": i + 1, "replay": {b: mean_tau(s) for b, s in steps.items()},
+                        "replay_steps": steps})
     return {"anchored": {b: _nanmean(v) for b, v in anchored.items()},
             "replay": {b: mean_tau(s) for b, s in steps.items()}, "replay_prompts": min(replay_prompts, len(rows)),
             "replay_steps": steps}
@@ -112,9 +116,14 @@ def main() -> None:
         began = time.time()
         rows = greedy_rows(target_dir, dataset, args.answers_dir / f"{dataset}-greedy-{args.max_new_tokens}.jsonl",
                            args.max_new_tokens, args.limit)
+        def checkpoint(partial, dataset=dataset):
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.with_suffix(".partial.json").write_text(json.dumps({**report, "partial": {dataset: partial}}))
+
         entry = {"prompts_t0": len(rows), "tau_t0": eval_t0(target, drafter, tokenizer, rows, sizes,
                                                              parse_range(args.replay_block_sizes), args.replay_prompts,
-                                                             args.anchor_stride), "anchor_stride": args.anchor_stride}
+                                                             args.anchor_stride, checkpoint),
+                 "anchor_stride": args.anchor_stride}
         if args.t1_prompts:
             entry.update(prompts_t1=min(args.t1_prompts, len(rows)), t1_max_new_tokens=args.t1_max_new_tokens,
                          tau_t1=eval_t1(runner, tokenizer, rows, t1_sizes, args.t1_prompts, args.t1_max_new_tokens))
