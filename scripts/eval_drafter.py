@@ -38,8 +38,8 @@ def parse_range(text: str) -> list[int]:
 
 
 def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int,
-                limit: int | None = None) -> list[dict]:
-    prompts = load_dataset(dataset)[:limit]
+                limit: int | None = None, offset: int = 0) -> list[dict]:
+    prompts = load_dataset(dataset)[offset:][:limit]
     regenerate_answers(target_dir, [p.text for p in prompts], max_new_tokens=max_new_tokens, batch_size=16,
                        out_path=cache, sources=[p.category for p in prompts])
     by_prompt = {r["prompt"]: r for r in read_answer_rows(cache)}
@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--datasets", default="humaneval,mtbench")
     ap.add_argument("--block-sizes", default="2-20", help="anchored-tau sizes, e.g. 2-20 or 4,8,16 ('' : none)")
     ap.add_argument("--limit", type=int, help="first N prompts per dataset at T=0")
+    ap.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each dataset (to split a run)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--replay-block-sizes", default="16", help="exact replay sizes, e.g. 2-20 (per-prompt steps saved)")
     ap.add_argument("--replay-prompts", type=int, default=10)
@@ -115,7 +116,7 @@ def main() -> None:
     for dataset in args.datasets.split(","):
         began = time.time()
         rows = greedy_rows(target_dir, dataset, args.answers_dir / f"{dataset}-greedy-{args.max_new_tokens}.jsonl",
-                           args.max_new_tokens, args.limit)
+                           args.max_new_tokens, args.limit, args.offset)
         def checkpoint(partial, dataset=dataset):
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.with_suffix(".partial.json").write_text(json.dumps({**report, "partial": {dataset: partial}}))
