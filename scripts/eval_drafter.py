@@ -43,7 +43,7 @@ def greedy_rows(target_dir: Path, dataset: str, cache: Path, max_new_tokens: int
     regenerate_answers(target_dir, [p.text for p in prompts], max_new_tokens=max_new_tokens, batch_size=16,
                        out_path=cache, sources=[p.category for p in prompts])
     by_prompt = {r["prompt"]: r for r in read_answer_rows(cache)}
-    return [dict(by_prompt[p.text], category=p.category) for p in prompts]
+    return [dict(by_prompt[p.text], category=p.category, id=p.id) for p in prompts]
 
 
 def eval_t0(target, drafter, tokenizer, rows, block_sizes, replay_sizes, replay_prompts, stride,
@@ -73,15 +73,29 @@ def _nanmean(values: list[float]) -> float:
     return sum(kept) / len(kept) if kept else float("nan")
 
 
-def eval_t1(runner, tokenizer, rows, block_sizes, n_prompts, max_new_tokens) -> dict:
+def spread(rows: list, n: int) -> list:
+    """`n` rows evenly spaced over `rows` (all of them when n >= len(rows))."""
+    if n >= len(rows):
+        return list(rows)
+    return [rows[i * len(rows) // n] for i in range(n)]
+
+
+def eval_t1(runner, tokenizer, rows, block_sizes, n_prompts, max_new_tokens, checkpoint=None) -> dict:
+    """Real speculative sampling at T=1 through the Runner on `n_prompts` rows spread over the set;
+    the same seed per prompt at every size. Per-prompt tau kept (partial results every prompt)."""
     taus = {b: [] for b in block_sizes}
-    for i, row in enumerate(tqdm(rows[:n_prompts], desc="sampling T=1", unit="prompt")):
+    chosen = spread(rows, n_prompts)
+    for i, row in enumerate(tqdm(chosen, desc="sampling T=1", unit="prompt")):
         ids = torch.tensor(chat_prompt_ids(tokenizer, row["prompt"]))
         for b in block_sizes:
             out = runner.generate([ids], max_new_tokens=max_new_tokens, temperature=1.0, block_size=b,
                                   random_seed=1000 + i, return_dict=True)
             taus[b].append(out["tau"][0])
-    return {b: sum(v) / len(v) for b, v in taus.items()}
+        if checkpoint is not None:
+            checkpoint({"partial_prompts_t1": i + 1, "tau_t1": {b: sum(v) / len(v) for b, v in taus.items()},
+                        "tau_t1_per_prompt": taus})
+    return {"mean": {b: sum(v) / len(v) for b, v in taus.items()}, "per_prompt": taus,
+            "prompts": [row["id"] for row in chosen]}
 
 
 def main() -> None:
@@ -96,7 +110,8 @@ def main() -> None:
     ap.add_argument("--replay-block-sizes", default="16", help="exact replay sizes, e.g. 2-20 (per-prompt steps saved)")
     ap.add_argument("--replay-prompts", type=int, default=10)
     ap.add_argument("--anchor-stride", type=int, default=1, help="anchor every k-th answer position")
-    ap.add_argument("--t1-prompts", type=int, default=0, help="prompts per dataset at T=1 (0: skip)")
+    ap.add_argument("--t1-prompts", type=int, default=0,
+                    help="prompts per dataset at T=1, spread evenly over the set (0: skip)")
     ap.add_argument("--t1-max-new-tokens", type=int, default=64)
     ap.add_argument("--t1-block-sizes", help="default: --block-sizes")
     ap.add_argument("--answers-dir", type=Path, default=Path("runs/answers"))
@@ -108,9 +123,11 @@ def main() -> None:
     target_dir = args.target or smollm2_dir()
     target, drafter = load_target(target_dir), load_drafter(args.drafter)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    runner = Runner.from_dir(target_dir, drafter_dir=args.drafter)
     sizes = parse_range(args.block_sizes)
     t1_sizes = parse_range(args.t1_block_sizes) if args.t1_block_sizes else sizes
+    replay_sizes = parse_range(args.replay_block_sizes)
+    # the Runner serves up to 2 x B_train by default; measuring larger sizes is the point here
+    runner = Runner.from_dir(target_dir, drafter_dir=args.drafter, max_block_size=max([*t1_sizes, 2]))
     args.answers_dir.mkdir(parents=True, exist_ok=True)
     report = {"drafter": str(args.drafter), "max_new_tokens": args.max_new_tokens, "datasets": {}}
     for dataset in args.datasets.split(","):
@@ -121,13 +138,15 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.with_suffix(".partial.json").write_text(json.dumps({**report, "partial": {dataset: partial}}))
 
-        entry = {"prompts_t0": len(rows), "tau_t0": eval_t0(target, drafter, tokenizer, rows, sizes,
-                                                             parse_range(args.replay_block_sizes), args.replay_prompts,
-                                                             args.anchor_stride, checkpoint),
-                 "anchor_stride": args.anchor_stride}
+        entry = {}
+        if sizes or replay_sizes:
+            entry.update(prompts_t0=len(rows), anchor_stride=args.anchor_stride,
+                         tau_t0=eval_t0(target, drafter, tokenizer, rows, sizes, replay_sizes, args.replay_prompts,
+                                        args.anchor_stride, checkpoint))
         if args.t1_prompts:
             entry.update(prompts_t1=min(args.t1_prompts, len(rows)), t1_max_new_tokens=args.t1_max_new_tokens,
-                         tau_t1=eval_t1(runner, tokenizer, rows, t1_sizes, args.t1_prompts, args.t1_max_new_tokens))
+                         tau_t1=eval_t1(runner, tokenizer, rows, t1_sizes, args.t1_prompts, args.t1_max_new_tokens,
+                                        checkpoint))
         entry["seconds"] = round(time.time() - began)
         report["datasets"][dataset] = entry
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,23 @@ def test_training_blocks_equal_inference_drafts(tmp_path):
         assert torch.allclose(trained[j], ref[0], atol=1e-5), anchor
 
 
+def test_budget_run_warms_up_over_the_start_of_the_budget_until_its_schedule_is_fitted(tmp_path):
+    """Before the step count is fitted, a budget-only run must not take its warm-up length from the
+    step-count placeholder (which kept the learning rate near zero); afterwards it follows the steps."""
+    from blockpilot.training.trainer import TrainConfig, TrainData, Trainer, lr_factor
+
+    target_dir = make_hf_target(tmp_path, "llama")
+    target, drafter = load_target(target_dir), load_drafter(make_drafter(tmp_path, target_dir, block_size=4, layers=1))
+    trainer = Trainer(drafter, target, TrainData([], []), TrainConfig(time_budget_s=1000.0, warmup_frac=0.04),
+                      tmp_path / "work")
+    trainer.step, trainer.elapsed = 3, 20.0  # half-way through the first 4% (40 s) of the budget
+    assert trainer.lr_factor() == pytest.approx(0.5)
+    trainer.elapsed = 400.0
+    assert trainer.lr_factor() == 1.0
+    trainer.total_steps = 1000  # fitted: warm-up + cosine over steps
+    assert trainer.lr_factor() == lr_factor(3, 1000, 0.04) == pytest.approx(0.1)
+
+
 def _args(tmp_path, answers, **kw):
     base = dict(target=None, out=tmp_path / "drafter", block_size=4, layers=1, taps=2, mask_token_id=3,
                 answers=[answers], prompts=None, regenerate=0, gen_max_new_tokens=16, max_len=64,

@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--time-budget", type=float, required=True, help="minutes of training (schedule fits it)")
-    p.add_argument("--max-steps", type=int, default=1_000_000)
+    p.add_argument("--max-steps", type=int, help="stop after N steps (default: as many as the time budget allows)")
     p.add_argument("--sequences-per-step", type=int, default=8)
     p.add_argument("--anchors", type=int, default=16, help="anchored blocks per sequence")
     p.add_argument("--lr", type=float, default=6e-4)

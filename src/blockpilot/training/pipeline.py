@@ -103,7 +103,8 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
     torch.manual_seed(args.seed)
     drafter = DFlashDrafter(config).to(args.device)
     train_config = TrainConfig(
-        time_budget_s=args.time_budget * 60, max_steps=args.max_steps, sequences_per_step=args.sequences_per_step,
+        time_budget_s=args.time_budget * 60, max_steps=args.max_steps or MAX_STEPS_UNSET,
+        sequences_per_step=args.sequences_per_step,
         anchors_per_sequence=args.anchors, lr=args.lr, gamma=args.gamma or default_gamma(args.block_size),
         eval_every_s=args.eval_every * 60, checkpoint_every_s=args.checkpoint_every * 60,
         autocast=not args.no_autocast, seed=args.seed, device=args.device)

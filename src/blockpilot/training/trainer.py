@@ -26,10 +26,14 @@ from blockpilot.training.data import Sequence
 from blockpilot.training.objective import Batch, drafter_loss, sample_anchors, simulated_tau
 
 
+MAX_STEPS_UNSET = 1_000_000
+"""`max_steps` when only the time budget bounds a run (the schedule is then fitted to the budget)."""
+
+
 @dataclasses.dataclass
 class TrainConfig:
     time_budget_s: float
-    max_steps: int = 1_000_000
+    max_steps: int = MAX_STEPS_UNSET
     sequences_per_step: int = 8
     anchors_per_sequence: int = 16
     lr: float = 6e-4
@@ -143,7 +147,7 @@ class Trainer:
         picks = torch.randint(len(self.data.train), (c.sequences_per_step,), generator=self.generator).tolist()
         batch = make_batch([self.data.train[i] for i in picks], c.anchors_per_sequence, self.generator, c.device)
         for group in self.optimizer.param_groups:
-            group["lr"] = c.lr * lr_factor(self.step, self.total_steps, c.warmup_frac)
+            group["lr"] = c.lr * self.lr_factor()
         with c.autocast_context():
             loss, _ = drafter_loss(self.drafter, self.target.embed_tokens.weight, self.target.lm_head.weight,
                                    batch, c.gamma)
@@ -154,6 +158,14 @@ class Trainer:
         self.step += 1
         return float(loss.detach())
 
+    def lr_factor(self) -> float:
+        """Warm-up + cosine over the step count; until a budget-driven run has fitted its step count,
+        the warm-up runs over the first `warmup_frac` of the time budget instead."""
+        c = self.config
+        if self.total_steps >= MAX_STEPS_UNSET:
+            return min(1.0, self.elapsed / (c.warmup_frac * c.time_budget_s))
+        return lr_factor(self.step, self.total_steps, c.warmup_frac)
+
     def run(self) -> list[dict]:
         """Train until the step count or the time budget is reached; returns the log."""
         c = self.config
@@ -162,7 +174,7 @@ class Trainer:
         first_step = self.step
         rate_mark = (self.step, self.elapsed)
         self.drafter.train()
-        bar = tqdm(total=self.total_steps if self.total_steps < 1_000_000 else None, initial=self.step,
+        bar = tqdm(total=self.total_steps if self.total_steps < MAX_STEPS_UNSET else None, initial=self.step,
                    desc="train-drafter", unit="step")
         losses = []
         while self.step < self.total_steps and time.perf_counter() - began < c.time_budget_s:
