@@ -266,3 +266,33 @@ def test_train_prompts_that_are_evaluation_prompts_are_rejected(tmp_path):
         prompts.load_train_prompts(path)
     path.write_text(json.dumps({"prompt": "fresh", "source": "sharegpt"}) + "\n")
     assert prompts.load_train_prompts(path) == [Prompt("train/1", "fresh", "sharegpt")]
+
+
+def test_stdlib_code_prompts_are_humaneval_style_stubs_disjoint_from_humaneval():
+    """Training code prompts from the standard library: HumanEval's format, parseable Python,
+    unique, stable, and never a HumanEval problem; usable as a named training set."""
+    import ast
+    import warnings
+
+    stdlib = prompts.load_stdlib_code()
+    assert len(stdlib) > 1000
+    assert len({p.text for p in stdlib}) == len(stdlib) and len({p.id for p in stdlib}) == len(stdlib)
+    humaneval = {p.text for p in prompts.load_humaneval()}
+    for p in stdlib:
+        assert p.category == "code" and p.id.startswith("stdlib/") and p.text not in humaneval
+        assert p.text.startswith(prompts.HUMANEVAL_INSTRUCTION) and p.text.endswith("```")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no invalid escapes: raw docstrings stay raw
+            ast.parse(p.text.removeprefix(prompts.HUMANEVAL_INSTRUCTION).removesuffix("```"))  # a valid stub
+    assert any(p.id == "stdlib/json.load" for p in stdlib)
+    assert any(p.id == "stdlib/collections.Counter.most_common" for p in stdlib)
+    assert prompts.load_stdlib_code(limit=5) == stdlib[:5]
+    assert prompts.load_train_prompts("stdlib-code") == stdlib
+
+
+def test_evaluation_sets_and_missing_files_are_not_training_prompts(tmp_path):
+    for name in ("humaneval", "mtbench"):
+        with pytest.raises(UserError, match=f"{name} is an evaluation set"):
+            prompts.load_train_prompts(name)
+    with pytest.raises(UserError, match="no such file; give a JSONL prompt file or a training set"):
+        prompts.load_train_prompts(tmp_path / "missing.jsonl")

@@ -71,6 +71,8 @@ def test_train_drafter_rejects_bad_input_with_one_line(tmp_path, capsys):
           "--time-budget", "1"], "missing.jsonl"),
         (["train-drafter", "--out", str(tmp_path / "d"), "--prompts", str(tmp_path / "nope.jsonl"),
           "--regenerate", "5", "--time-budget", "1"], "nope.jsonl"),
+        (["train-drafter", "--out", str(tmp_path / "d"), "--prompts", "humaneval",
+          "--regenerate", "5", "--time-budget", "1"], "humaneval is an evaluation set"),
     ]
     for argv, needle in cases:
         assert main(argv) == 2

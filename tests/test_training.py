@@ -163,6 +163,8 @@ def test_answer_command_rejects_bad_input_with_one_line(tmp_path, tiny_corpus, c
           "--batch-size", "0"], "--batch-size must be positive"),
         (["--target", str(target_dir), "--prompts", str(good), "--out", str(tmp_path / "o.jsonl"),
           "--device", "tpu"], "--device"),
+        (["--target", str(target_dir), "--prompts", "mtbench", "--out", str(tmp_path / "o.jsonl")],
+         "mtbench is an evaluation set"),
     ]
     for argv, expected in cases:
         assert main(["answer", *argv]) == 2, argv

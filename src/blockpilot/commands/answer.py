@@ -15,7 +15,8 @@ def add_parser(subparsers) -> None:
         "there are skipped, so rerunning resumes. Feed the file to `train-drafter --answers`.",
     )
     p.add_argument("--target", type=Path, help="target model dir (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", type=Path, required=True, help="JSONL file, one {\"prompt\": ...} a line")
+    p.add_argument("--prompts", required=True,
+                   help="JSONL file, one {\"prompt\": ...} a line, or a training set: sharegpt, stdlib-code")
     p.add_argument("--out", type=Path, required=True, help="answers JSONL (appended to; resumes)")
     p.add_argument("--limit", type=int, help="answer only the first N prompts of the file")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -26,7 +27,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockpilot.assets.prompts import load_jsonl_prompts
+    from blockpilot.assets.prompts import load_train_prompts
     from blockpilot.devices import resolve_device
     from blockpilot.errors import UserError
     from blockpilot.training.data import regenerate_answers
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.target is not None and not (args.target / "config.json").is_file():
         raise UserError(f"--target {args.target}: no config.json there; give a Hugging Face model dir")
     device = resolve_device(args.device)
-    prompts = load_jsonl_prompts(args.prompts)[: args.limit]
+    prompts = load_train_prompts(args.prompts)[: args.limit]
     if not args.out.parent.is_dir():
         raise UserError(f"--out {args.out}: folder {args.out.parent} does not exist; create it first")
     if args.target is None:

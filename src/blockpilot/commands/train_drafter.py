@@ -21,7 +21,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mask-token-id", type=int, help="mask token id (default: the embedded model's unused special token)")
     p.add_argument("--answers", type=Path, action="append", default=[],
                    help="JSONL of {prompt, answer, finish} from the target (repeatable)")
-    p.add_argument("--prompts", type=Path, help="JSONL of {prompt} to answer with the target first")
+    p.add_argument("--prompts", help="prompts to answer with the target first: a JSONL file of {prompt}, or a "
+                   "training set (sharegpt, stdlib-code)")
     p.add_argument("--regenerate", type=int, default=0, help="how many --prompts to answer (0: none)")
     p.add_argument("--gen-max-new-tokens", type=int, default=256)
     p.add_argument("--gen-batch-size", type=int, default=16, help="prompts answered per batch")

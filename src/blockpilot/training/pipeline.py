@@ -39,8 +39,12 @@ def _check_args(args) -> None:
     if args.block_size < 2:
         raise UserError(f"--block-size must be >= 2 for a drafter (got {args.block_size})")
     if not args.answers and not (args.prompts and args.regenerate > 0):
-        raise UserError("no training data: pass --answers FILE and/or --prompts FILE --regenerate N")
-    for path in [*args.answers, *([args.prompts] if args.prompts else [])]:
+        raise UserError("no training data: pass --answers FILE and/or --prompts FILE|SET --regenerate N")
+    if args.prompts and args.regenerate > 0:
+        from blockpilot.assets.prompts import load_train_prompts
+
+        load_train_prompts(args.prompts)  # a bad file, an evaluation set or a leak fails before any work
+    for path in args.answers:
         if not Path(path).is_file():
             raise UserError(f"cannot read {path}: no such file; check the path")
 
@@ -56,9 +60,9 @@ def _resolve_target(args) -> tuple[Path, int | None]:
 def _gather_rows(args, target_dir: Path, work_dir: Path) -> list[dict]:
     rows = [row for path in args.answers for row in read_answer_rows(path)]
     if args.prompts and args.regenerate > 0:
-        from blockpilot.assets.prompts import load_jsonl_prompts
+        from blockpilot.assets.prompts import load_train_prompts
 
-        prompts = load_jsonl_prompts(args.prompts)[: args.regenerate]
+        prompts = load_train_prompts(args.prompts)[: args.regenerate]
         out = regenerate_answers(target_dir, [p.text for p in prompts], max_new_tokens=args.gen_max_new_tokens,
                                  batch_size=args.gen_batch_size, out_path=work_dir / "regenerated_answers.jsonl",
                                  sources=[p.category for p in prompts], device=args.device)
