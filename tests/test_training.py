@@ -86,6 +86,17 @@ def test_training_lowers_the_loss_and_resumes(tmp_path, tiny_corpus, device):
     assert resumed["log"][-1]["train_loss"] < log["log"][-1]["train_loss"]  # steps 30-45 vs 0-30
 
 
+def test_a_run_bounded_only_by_its_time_budget_trains_and_stops(tmp_path, tiny_corpus):
+    import json
+
+    from blockpilot.training.pipeline import train_drafter_from_args
+
+    target_dir, answers = tiny_corpus
+    train_drafter_from_args(_args(tmp_path, answers, target=target_dir, max_steps=None, time_budget=0.05))
+    log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
+    assert log["steps"] > 0 and log["log"][-1]["train_loss"] is not None
+
+
 def test_replayed_greedy_steps_equal_the_runtime_steps(tmp_path, tiny_corpus):
     """The T=0 replay evaluator reproduces the runner's per-step acceptance lengths exactly."""
     from blockpilot.runtime.runner import Runner

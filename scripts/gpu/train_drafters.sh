@@ -3,10 +3,11 @@
 #
 # The GGUF (98 MB) is larger than one call may carry, so it travels in two parts: the first call
 # copies .gpu1/gguf.part_a to /tmp/keep (scripts/gpu/stage_part_a.sh); this script, run in the
-# next call while the machine is still warm, carries .gpu2 = {gguf.part_b, wheels, data} and:
+# next call while the machine is still warm, carries .gpu2 = {gguf.part_b, wheels, train_prompts.jsonl} and:
 #   1. joins and converts the GGUF (SHA-256 checked by smollm2_dir),
-#   2. answers the training prompts not yet answered in shared/data (greedy fp32, batched),
-#   3. trains drafters (block sizes $BLOCKS, 3 layers) side by side on the GPU,
+#   2. answers the prompt sets $ANSWER_SETS (default: the stdlib-code set, then shared/data's
+#      train_prompts.jsonl) where $SEED_ANSWERS has no answer yet (greedy fp32, batched),
+#   3. trains drafters (block sizes $BLOCKS, $LAYERS layers) side by side on the GPU,
 #   4. leaves in $OUT: fp16 drafters split in 12 MB parts, answers.jsonl.gz, meta.tgz (configs,
 #      training logs) and job.log: at most 8 files, as a call may bring back.
 # Every phase is bounded so that the whole run ends before $DEADLINE seconds.
@@ -14,12 +15,15 @@ set -uo pipefail
 DEADLINE=${DEADLINE:-560}        # seconds from start by which everything must be in $OUT
 DEVICE=${DEVICE:-cuda}
 BLOCKS=${BLOCKS:-"16 8"}
-ANSWER_MIN=${ANSWER_MIN:-2.0}    # minutes of answering (no new batch after it)
+LAYERS=${LAYERS:-3}
+G1=${G1:-.gpu1}; G2=${G2:-.gpu2}
+ANSWER_SETS=${ANSWER_SETS:-"stdlib-code $G2/train_prompts.jsonl"}
+SEED_ANSWERS=${SEED_ANSWERS:-data/smollm2-answers-9831.jsonl.gz}  # answers made before (gzipped JSONL)
+ANSWER_MIN=${ANSWER_MIN:-2.4}    # minutes of answering, shared by the sets (no new batch after it)
 ANSWER_BATCH=${ANSWER_BATCH:-1024}
 ANSWER_LIMIT=${ANSWER_LIMIT:-}   # answer only the first N prompts (dry runs)
 SEQS=${SEQS:-64}; ANCHORS=${ANCHORS:-32}; VALID=${VALID:-256}
 SETUP_S=${SETUP_S:-100}          # features + model loads + final eval + save, per training run
-G1=${G1:-.gpu1}; G2=${G2:-.gpu2}
 KEEP=${KEEP:-/tmp/keep}; WORK=${WORK:-/tmp/bpwork}; OUT=${OUT:-/tmp/bpout}
 export PYTHONUNBUFFERED=1 BLOCKPILOT_CACHE=$WORK/cache PYTHONPATH=$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$WORK" "$OUT"
@@ -37,10 +41,13 @@ log "target converted"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/job.log"
 
 answers=$WORK/answers.jsonl
-cp $G2/smollm2_answers.jsonl "$answers"
-timeout $(( DEADLINE / 3 )) python3 -m blockpilot answer --prompts $G2/train_prompts.jsonl --out "$answers" \
-  --batch-size "$ANSWER_BATCH" --time-budget "$ANSWER_MIN" --device "$DEVICE" ${ANSWER_LIMIT:+--limit $ANSWER_LIMIT} \
-  2>&1 | tr '\r' '\n' | grep -v "^answering prompts: .*[0-9]/" | tee -a "$OUT/job.log"
+gzip -dc "$SEED_ANSWERS" > "$answers"
+set_min=$(python3 -c "print($ANSWER_MIN / $(echo $ANSWER_SETS | wc -w))")
+for prompts in $ANSWER_SETS; do  # the budget stops new batches; the timeout is the hard stop
+  timeout $(python3 -c "print(int($set_min * 60 + 45))") python3 -m blockpilot answer --prompts "$prompts" \
+    --out "$answers" --batch-size "$ANSWER_BATCH" --time-budget "$set_min" --device "$DEVICE" ${ANSWER_LIMIT:+--limit $ANSWER_LIMIT} \
+    2>&1 | tr '\r' '\n' | grep -v "^answering prompts: .*[0-9]/" | tee -a "$OUT/job.log"
+done
 python3 - "$answers" <<'PY'  # a run killed mid-write can leave one broken last line
 import json, sys
 lines = open(sys.argv[1]).read().splitlines()
@@ -59,7 +66,7 @@ budget=$(python3 -c "print(max(0.5, ($DEADLINE - $SECONDS - $SETUP_S - 25) / 60)
 log "training block sizes $BLOCKS for $budget minutes each"
 pids=()
 for b in $BLOCKS; do
-  python3 -m blockpilot train-drafter --answers "$answers" --out "$WORK/b$b" --block-size "$b" --layers 3 \
+  python3 -m blockpilot train-drafter --answers "$answers" --out "$WORK/b$b" --block-size "$b" --layers "$LAYERS" \
     --time-budget "$budget" --sequences-per-step "$SEQS" --anchors "$ANCHORS" --valid "$VALID" \
     --eval-every 0.75 --checkpoint-every 0.75 --device "$DEVICE" > "$WORK/train-b$b.log" 2>&1 &
   pids+=($!)

@@ -20,7 +20,7 @@ from blockpilot.text import load_tokenizer
 from blockpilot.training.data import read_answer_rows, regenerate_answers, tokenize_rows
 from blockpilot.training.features import extract_taps, load_feature_cache, save_feature_cache
 from blockpilot.training.objective import default_gamma
-from blockpilot.training.trainer import TrainConfig, TrainData, Trainer
+from blockpilot.training.trainer import MAX_STEPS_UNSET, TrainConfig, TrainData, Trainer
 
 
 def drafter_config_for(target: DecoderConfig, *, block_size: int, layers: int, taps: int,
