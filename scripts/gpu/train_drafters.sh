@@ -75,7 +75,9 @@ done
 ( sleep $(( DEADLINE - SECONDS - 20 )); kill "${pids[@]}" 2>/dev/null ) & watchdog=$!
 wait "${pids[@]}"; kill $watchdog 2>/dev/null
 log "training done"
-for b in $BLOCKS; do grep -h '"sim_tau"\|drafter written\|Error\|error' "$WORK/train-b$b.log" | tail -4 | tee -a "$OUT/job.log"; done
+for b in $BLOCKS; do
+  tr '\r' '\n' < "$WORK/train-b$b.log" | grep '"sim_tau"\|drafter written\|Error\|error' | tail -4 | tee -a "$OUT/job.log"
+done
 
 for b in $BLOCKS; do
   tr '\r' '\n' < "$WORK/train-b$b.log" | grep -v "%|" > "$WORK/b$b.train.log"
