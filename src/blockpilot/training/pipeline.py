@@ -33,20 +33,23 @@ def drafter_config_for(target: DecoderConfig, *, block_size: int, layers: int, t
                          num_target_layers=target.num_hidden_layers)
 
 
-def _check_args(args) -> None:
+def _check_args(args) -> list:
+    """Check the arguments; returns the training prompts to answer first (none without --regenerate),
+    loaded here so that a bad file, an evaluation set or a leaked prompt fails before any work."""
     if not args.time_budget or args.time_budget <= 0:
         raise UserError(f"--time-budget must be a positive number of minutes (got {args.time_budget})")
     if args.block_size < 2:
         raise UserError(f"--block-size must be >= 2 for a drafter (got {args.block_size})")
     if not args.answers and not (args.prompts and args.regenerate > 0):
         raise UserError("no training data: pass --answers FILE and/or --prompts FILE|SET --regenerate N")
-    if args.prompts and args.regenerate > 0:
-        from blockpilot.assets.prompts import load_train_prompts
-
-        load_train_prompts(args.prompts)  # a bad file, an evaluation set or a leak fails before any work
     for path in args.answers:
         if not Path(path).is_file():
             raise UserError(f"cannot read {path}: no such file; check the path")
+    if not (args.prompts and args.regenerate > 0):
+        return []
+    from blockpilot.assets.prompts import load_train_prompts
+
+    return load_train_prompts(args.prompts)[: args.regenerate]
 
 
 def _resolve_target(args) -> tuple[Path, int | None]:
@@ -57,12 +60,9 @@ def _resolve_target(args) -> tuple[Path, int | None]:
     return smollm2_dir(), args.mask_token_id if args.mask_token_id is not None else SMOLLM2_MASK_TOKEN_ID
 
 
-def _gather_rows(args, target_dir: Path, work_dir: Path) -> list[dict]:
+def _gather_rows(args, prompts, target_dir: Path, work_dir: Path) -> list[dict]:
     rows = [row for path in args.answers for row in read_answer_rows(path)]
-    if args.prompts and args.regenerate > 0:
-        from blockpilot.assets.prompts import load_train_prompts
-
-        prompts = load_train_prompts(args.prompts)[: args.regenerate]
+    if prompts:
         out = regenerate_answers(target_dir, [p.text for p in prompts], max_new_tokens=args.gen_max_new_tokens,
                                  batch_size=args.gen_batch_size, out_path=work_dir / "regenerated_answers.jsonl",
                                  sources=[p.category for p in prompts], device=args.device)
@@ -70,8 +70,8 @@ def _gather_rows(args, target_dir: Path, work_dir: Path) -> list[dict]:
     return rows
 
 
-def _features(args, target, tokenizer, target_dir: Path, work_dir: Path, tap_layers):
-    rows = _gather_rows(args, target_dir, work_dir)
+def _features(args, prompts, target, tokenizer, target_dir: Path, work_dir: Path, tap_layers):
+    rows = _gather_rows(args, prompts, target_dir, work_dir)
     key = hashlib.sha256(json.dumps({
         "target": str(Path(target_dir).resolve()), "taps": list(tap_layers), "max_len": args.max_len,
         "rows": hashlib.sha256("".join(r["prompt"] + r["answer"] for r in rows).encode()).hexdigest(),
@@ -87,7 +87,7 @@ def _features(args, target, tokenizer, target_dir: Path, work_dir: Path, tap_lay
 
 
 def train_drafter_from_args(args: argparse.Namespace) -> Path:
-    _check_args(args)
+    prompts = _check_args(args)
     args.device = resolve_device(args.device)
     target_dir, mask_token_id = _resolve_target(args)
     if mask_token_id is None:
@@ -100,7 +100,7 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
     work_dir.mkdir(parents=True, exist_ok=True)
     _check_resume_target(work_dir, target.config, args.resume)
     tokenizer = load_tokenizer(target_dir)
-    sequences, taps = _features(args, target, tokenizer, target_dir, work_dir, config.target_layer_ids)
+    sequences, taps = _features(args, prompts, target, tokenizer, target_dir, work_dir, config.target_layer_ids)
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed)).tolist()
     items = [(sequences[i], taps[i]) for i in order]
     data = TrainData(train=items[args.valid:], valid=items[: args.valid])
