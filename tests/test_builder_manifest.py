@@ -12,7 +12,6 @@ from blockpilot.builder.manifest import (
     FORMAT_VERSION, MANIFEST_NAME, GraphEntry, Manifest, Profile, read_manifest, write_manifest,
 )
 from blockpilot.cli import main
-from blockpilot.commands.build import parse_block_sizes
 from blockpilot.errors import UserError
 from blockpilot.runtime.runner import Runner
 
@@ -170,14 +169,6 @@ def test_failed_fill_leaves_no_directory_and_keeps_the_previous_one(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"] and (old / "v1.txt").read_text() == "1"
     replace_dir_atomically(old, lambda d: (d / "v2.txt").write_text("2"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"] and [p.name for p in old.iterdir()] == ["v2.txt"]
-
-
-def test_block_sizes_argument_accepts_ranges_and_lists():
-    assert parse_block_sizes("14-18") == (14, 15, 16, 17, 18)
-    assert parse_block_sizes("8,16") == (8, 16)
-    assert parse_block_sizes("4, 14-15") == (4, 14, 15)
-    with pytest.raises(UserError, match="is not a list like"):
-        parse_block_sizes("fourteen")
 
 
 def test_cli_build_mistake_exits_2_with_one_line(tmp_path_factory, tmp_path, capsys):

@@ -8,7 +8,7 @@ import torch
 from blockpilot import cli
 from blockpilot.models.checkpoint import load_drafter, load_target
 from blockpilot.models.decoder import KVCache
-from blockpilot.predictor.labelling import LabelJob, parse_candidates, run_label_job
+from blockpilot.predictor.labelling import LabelJob, run_label_job
 from blockpilot.predictor.labels import (
     LabelDataset,
     LabelSettings,
@@ -150,7 +150,9 @@ def test_label_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
         assert len(err.splitlines()) == 1 and message in err, err
 
     fails(["--prompts", str(empty), "--out", str(tmp_path / "a")], "has no prompts")
-    fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--candidates", "9-x"], "is not a range")
+    fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "9-x"], "'9-x' is not a size")
+    fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "1-3"], "at least two")
+    fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "8"], "at least two")
     assert cli.main(base + ["--prompts", str(prompts), "--out", str(tmp_path / "c")]) == 0
     other_target = make_hf_target(tmp, "llama", seed=5)
     save_char_tokenizer(other_target)
@@ -163,13 +165,6 @@ def test_label_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
     assert cli.main(["label", "--target", str(bare), "--drafter", str(drafter), "--prompts", str(prompts),
                      "--out", str(tmp_path / "d")]) == 2
     assert "has no tokenizer files" in capsys.readouterr().err
-
-
-def test_candidate_ranges_and_lists_parse():
-    assert parse_candidates("14-18") == (14, 15, 16, 17, 18)
-    assert parse_candidates("16,14,18,14") == (14, 16, 18)
-    with pytest.raises(Exception, match="at least two block sizes"):
-        parse_candidates("1-3")
 
 
 def test_label_job_skips_prompts_too_long_for_the_cache(models, tmp_path):

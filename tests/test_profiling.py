@@ -161,7 +161,7 @@ def test_engine_dir_profile_takes_tokenizer_target_and_drafter_from_the_engine(t
     engine = tmp / "engine"
     build_engine_dir(BuildSpec(target, drafter, engine, block_sizes=(B_TRAIN,), max_seq_len=96))
     out = tmp / "report-engine"
-    argv = ["profile", "--engine-dir", str(engine), "--dataset", str(prompts), "--block-size", str(B_TRAIN),
+    argv = ["profile", "--engine-dir", str(engine), "--dataset", str(prompts), "--block-sizes", str(B_TRAIN),
             "--baselines", "ar,hf-ar,hf-dflash", "--max-new-tokens", "8", "--warmup", "0", "--out", str(out),
             "--no-progress"]
     assert main(argv) == 0
@@ -236,8 +236,9 @@ def test_sigterm_during_profiling_is_handled_like_ctrl_c():
     (["--dataset", "{malformed}"], "not valid JSON"),
     (["--baselines", "ar,hf-dflash", "--no-drafter"], "hf-dflash needs a DFlash drafter"),
     (["--baselines", "ar,vllm"], "unknown baseline 'vllm'"),
-    (["--block-size", "auto"], "--block-size auto needs a block-size predictor"),
-    (["--block-size", "64"], "block size 64 is not supported"),
+    (["--block-sizes", "auto"], "--block-sizes auto needs a block-size predictor"),
+    (["--block-sizes", "64"], "block size 64 is not supported"),
+    (["--block-sizes", "6-x"], "'6-x' is not a size"),
     (["--temperature", "0,hot"], "--temperature '0,hot'"),
     (["--max-new-tokens", "300"], "exceeds the model's 256 positions"),
 ])
@@ -248,7 +249,7 @@ def test_bad_input_ends_in_one_line_exit_2_and_writes_nothing(tiny, capsys, args
     args = [a.format(empty=tmp / "empty.jsonl", malformed=tmp / "malformed.jsonl") for a in args]
     with_drafter = [] if "--no-drafter" in args else ["--drafter", str(drafter)]
     args = [a for a in args if a != "--no-drafter"]
-    defaults = {"--dataset": str(prompts), "--baselines": "ar", "--block-size": "1"}
+    defaults = {"--dataset": str(prompts), "--baselines": "ar", "--block-sizes": "1"}
     argv = ["profile", "--target", str(target), *with_drafter, "--out", str(tmp / "never"), "--no-progress", *args]
     argv += [x for k, v in defaults.items() if k not in args for x in (k, v)]
     assert main(argv) == 2

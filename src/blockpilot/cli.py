@@ -2,6 +2,7 @@
 
 Each command module defines `add_parser(subparsers)` (registering its arguments and
 `set_defaults(run=...)`) and keeps its heavy imports inside `run`, so `--help` answers fast.
+Every parser is a `commands.common.Parser`: help shows defaults, a usage error is one line.
 A `UserError` ends in one line on stderr and exit status 2; any other exception is a bug and
 keeps its traceback.
 """
@@ -12,17 +13,21 @@ import argparse
 import importlib
 import sys
 
+from blockpilot import __version__
+from blockpilot.commands.common import Parser
 from blockpilot.errors import UserError
 
 COMMANDS = ("generate", "demo", "answer", "train_drafter", "label", "train_predictor", "build", "profile")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="blockpilot",
-        description="Per-request block-size selection for DFlash speculative decoding.",
+        description="Per-request block-size selection for DFlash speculative decoding. Every command "
+        "defaults to the embedded SmolLM2-135M-Instruct with its shipped drafter and predictor.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"blockpilot.commands.{name}")
@@ -35,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (already printed, one line)
+        return int(exc.code or 0)
     try:
         return int(args.run(args) or 0)
     except UserError as exc:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from blockpilot.commands.common import add_device_arg
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -19,10 +21,10 @@ def add_parser(subparsers) -> None:
                    help="JSONL file, one {\"prompt\": ...} a line, or a training set: sharegpt, stdlib-code")
     p.add_argument("--out", type=Path, required=True, help="answers JSONL (appended to; resumes)")
     p.add_argument("--limit", type=int, help="answer only the first N prompts of the file")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generate() call")
     p.add_argument("--time-budget", type=float, help="minutes; no new batch starts after it (resume later)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+    add_device_arg(p)
     p.set_defaults(run=run)
 
 

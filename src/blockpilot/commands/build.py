@@ -1,4 +1,9 @@
-"""`blockpilot build`: export a target + DFlash drafter to ONNX (and TensorRT) into an engine directory."""
+"""`blockpilot build`: export a target + DFlash drafter to ONNX (and TensorRT) into an engine directory.
+
+Without `--target`/`--drafter` it builds the embedded default (SmolLM2-135M-Instruct, its shipped
+drafter and predictor). `parse_block_sizes` is re-exported here for scripts that import it from
+this module.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from blockpilot.commands.common import (BLOCK_SIZES_EXAMPLE, add_dtype_arg, argument_type,
+                                        parse_block_sizes)
 from blockpilot.errors import UserError
 
-
-def parse_block_sizes(text: str) -> tuple[int, ...]:
-    """`"14-18"` -> (14, 15, 16, 17, 18); `"8,16"` and mixes like `"4,14-18"` work too."""
-    sizes: set[int] = set()
-    try:
-        for part in text.split(","):
-            low, _, high = part.strip().partition("-")
-            sizes.update(range(int(low), int(high or low) + 1))
-    except ValueError:
-        raise UserError(f"--block-sizes {text!r} is not a list like 14-18 or 8,16") from None
-    if not sizes:
-        raise UserError(f"--block-sizes {text!r} names no block size; use e.g. 14-18")
-    return tuple(sorted(sizes))
+MAX_SEQ_LEN = 1024
+"""Default cache capacity of a build (prompt + new tokens + one block)."""
 
 
 def add_parser(subparsers) -> None:
@@ -31,16 +27,23 @@ def add_parser(subparsers) -> None:
         "optimization profile per candidate block size (plus prefill), and write an engine directory "
         "with manifest.json. With --trt also build TensorRT engines (needs TensorRT and a GPU).",
     )
-    p.add_argument("--target", type=Path, required=True, help="Hugging Face target directory")
-    p.add_argument("--drafter", type=Path, required=True, help="DFlash drafter directory (z-lab format)")
+    p.add_argument("--target", type=Path,
+                   help="Hugging Face target dir (default: the embedded SmolLM2-135M-Instruct; then also its "
+                   "shipped drafter and predictor unless --drafter/--predictor are given)")
+    p.add_argument("--drafter", type=Path,
+                   help="DFlash drafter dir, z-lab format (default: the shipped drafter of the embedded target)")
     p.add_argument("--predictor", type=Path, help="block-size predictor .onnx to ship in the directory")
-    p.add_argument("--block-sizes", default="14-18", help="candidate block sizes, e.g. 14-18 or 8,16")
-    p.add_argument("--max-seq-len", type=int, required=True, help="cache capacity: prompt + new tokens + block")
-    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    p.add_argument("--block-sizes", type=argument_type(parse_block_sizes), metavar="LIST",
+                   help=f"candidate block sizes, one profile each, e.g. {BLOCK_SIZES_EXAMPLE} (default: the "
+                   "predictor's candidates, else the drafter's training block size +- 2)")
+    p.add_argument("--max-seq-len", type=int,
+                   help=f"cache capacity in tokens: prompt + new tokens + one block (default: {MAX_SEQ_LEN}, or "
+                   "the target's max_position_embeddings if smaller)")
+    add_dtype_arg(p, "precision of the exported graphs")
     p.add_argument("--opset", type=int, choices=(18, 24), default=24,
                    help="24: TensorScatter + Attention (TensorRT >= 10.15, in-place caches); 18: any TensorRT 10")
     p.add_argument("--out", type=Path, required=True, help="engine directory to write")
-    p.add_argument("--trt", action="store_true", help="also build TensorRT engines")
+    p.add_argument("--trt", action="store_true", help="also build TensorRT engines (needs TensorRT and a GPU)")
     p.set_defaults(run=run)
 
 
@@ -56,15 +59,58 @@ def check_predictor(path: Path, target_dir: Path, drafter_dir: Path, block_sizes
     policy.check_models(target_dir, drafter_dir)
 
 
-def run(args: argparse.Namespace) -> int:
-    from blockpilot.builder.engine_dir import BuildSpec, build_engine_dir
+def resolve_spec(args: argparse.Namespace):
+    """The `BuildSpec` for the command line, with the embedded default and the defaults derived
+    from the drafter (and predictor) filled in.
 
-    sizes = parse_block_sizes(args.block_sizes)
-    if args.predictor is not None:
-        check_predictor(args.predictor, args.target, args.drafter, sizes)
-    spec = BuildSpec(target_dir=args.target, drafter_dir=args.drafter, out_dir=args.out, block_sizes=sizes,
-                     max_seq_len=args.max_seq_len, dtype=args.dtype, predictor=args.predictor, trt=args.trt,
-                     opset=args.opset)
+    Raises:
+        UserError: a missing path (naming its flag), --target without --drafter, a predictor that
+            does not fit.
+    """
+    from blockpilot.builder.engine_dir import BuildSpec
+    from blockpilot.models.config import DecoderConfig, DrafterConfig, read_config_json
+    from blockpilot.predictor.labelling import default_candidates
+
+    target, drafter, predictor = _models(args)
+    sizes = args.block_sizes
+    if sizes is None and predictor is not None:
+        from blockpilot.runtime.policy import OnnxBlockSizePolicy
+
+        sizes = tuple(OnnxBlockSizePolicy(predictor).candidates)
+    if sizes is None:
+        sizes = default_candidates(DrafterConfig.from_dict(read_config_json(drafter)).block_size)
+    if predictor is not None:
+        check_predictor(predictor, target, drafter, sizes)
+    max_seq_len = args.max_seq_len
+    if max_seq_len is None:
+        max_seq_len = min(MAX_SEQ_LEN, DecoderConfig.from_dict(read_config_json(target)).max_position_embeddings)
+    return BuildSpec(target_dir=target, drafter_dir=drafter, out_dir=args.out, block_sizes=sizes,
+                     max_seq_len=max_seq_len, dtype=args.dtype, predictor=predictor, trt=args.trt, opset=args.opset)
+
+
+def _models(args: argparse.Namespace) -> tuple[Path, Path, Path | None]:
+    for path, flag in ((args.target, "--target"), (args.drafter, "--drafter")):
+        if path is not None and not path.is_dir():
+            raise UserError(f"{flag} {path}: no such model directory")
+    if args.predictor is not None and not args.predictor.is_file():
+        raise UserError(f"--predictor {args.predictor}: no such file")
+    if args.target is not None:
+        if args.drafter is None:
+            raise UserError(f"--target {args.target} needs --drafter DIR (the shipped drafter fits only the "
+                            "embedded target)")
+        return args.target, args.drafter, args.predictor
+    from blockpilot.assets import default_drafter_dir, default_predictor_path
+    from blockpilot.assets.smollm2 import smollm2_dir
+
+    if args.drafter is not None:
+        return smollm2_dir(), args.drafter, args.predictor
+    return smollm2_dir(), default_drafter_dir(), args.predictor or default_predictor_path()
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockpilot.builder.engine_dir import build_engine_dir
+
+    spec = resolve_spec(args)
     manifest = build_engine_dir(spec, log=lambda line: print(line, file=sys.stderr, flush=True))
     engines = "with TensorRT engines" if manifest.has_engines else "ONNX only"
     print(f"wrote {args.out} ({engines}; block sizes {list(manifest.block_sizes)}, "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
+
+from blockpilot.commands.common import add_model_args, open_runner, parse_block_size
 
 DEMO_PROMPTS = (
     ("code", "Write a Python function that returns the n-th Fibonacci number."),
@@ -18,12 +19,13 @@ DEMO_PROMPTS = (
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("demo", help="run built-in prompts: autoregressive vs speculative tokens/s",
                               description="Generate for a few built-in prompts with the embedded default "
-                              "model (or --target/--drafter), autoregressively and speculatively, and print "
-                              "tokens/s, tau and the block size used.")
-    p.add_argument("--target", type=Path, help="target model dir (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", type=Path, help="drafter dir (default: the shipped one)")
-    p.add_argument("--block-size", default=None, help="N or auto (default: auto with a predictor, else B_train)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+                              "model (or --target/--drafter, or --engine-dir), autoregressively and "
+                              "speculatively, and print tokens/s, tau and the block size used.")
+    add_model_args(p)
+    p.add_argument("--block-size", metavar="N|auto",
+                   help="tokens per verify step, or 'auto' (the predictor chooses per prompt); default: auto "
+                   "with a predictor, else the drafter's training block size")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
     p.set_defaults(run=run)
 
 
@@ -39,14 +41,14 @@ def _timed(runner, ids, max_new_tokens, block_size):
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockpilot.commands.generate import resolve_models
-    from blockpilot.runtime.runner import Runner
     from blockpilot.text import chat_prompt_ids, load_tokenizer
 
-    models = resolve_models(args.target, args.drafter, None)
-    runner = Runner.from_dir(models.target, drafter_dir=models.drafter, predictor=models.predictor)
-    tokenizer = load_tokenizer(models.target)
-    block_size = int(args.block_size) if args.block_size and args.block_size.isdigit() else args.block_size
+    block_size = parse_block_size(args.block_size)
+    opened = open_runner(args)
+    runner = opened.runner
+    if opened.note:
+        print(f"note: {opened.note}", file=sys.stderr)
+    tokenizer = load_tokenizer(opened.choice.tokenizer)
     prompts = [chat_prompt_ids(tokenizer, text) for _, text in DEMO_PROMPTS]
     _timed(runner, prompts[0], 8, block_size)  # warm-up, not reported
     header = f"{'prompt':<8}{'AR tok/s':>10}{'spec tok/s':>12}{'speedup':>9}{'tau':>7}{'block':>7}"

@@ -4,22 +4,22 @@ Text goes to stdout as tokens are committed; one line of statistics per prompt (
 block size, tokens/s) goes to stderr. Every prompt is tokenized and checked against the cache
 capacity before the first one runs, so a bad prompt file fails before any output.
 
-Without `--target` the embedded SmolLM2-135M-Instruct is used, with the drafter (and block-size
-predictor) shipped for it when the package has them. Without a drafter, decoding is
+The models come from `commands.common.open_runner`: without `--target` or `--engine-dir` the
+embedded SmolLM2-135M-Instruct with the drafter and block-size predictor shipped for it; an
+engine directory (`blockpilot build`) brings its own. Without a drafter, decoding is
 autoregressive (block size 1); with a predictor, the block size is chosen per prompt ("auto").
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
 
+from blockpilot.commands.common import add_model_args, open_runner, parse_block_size
 from blockpilot.errors import UserError
 from blockpilot.text import chat_prompt_ids, load_tokenizer, one_line
-
 
 
 def add_parser(subparsers) -> None:
@@ -30,38 +30,30 @@ def add_parser(subparsers) -> None:
         "(lossless: the output is distributed exactly as the target's own). Text streams to stdout; "
         "tau and tokens/s go to stderr.",
     )
-    p.add_argument("--target", type=Path, help="target model dir (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", type=Path,
-                   help="DFlash drafter dir (default: the shipped drafter for the embedded target; "
-                   "without one, decoding is autoregressive)")
+    add_model_args(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts-file", type=Path,
                         help='prompts: .jsonl with one {"prompt": ...} a line, else one prompt a line')
-    p.add_argument("--predictor", type=Path,
-                   help="block-size predictor (.onnx from train-predictor; default: the shipped one for the "
-                   "embedded target, if any)")
-    p.add_argument("--block-size", default=None,
-                   help="tokens per verify step, or 'auto' (predictor); default: 'auto' with a predictor, "
-                   "else the drafter's training size")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--block-size", metavar="N|auto",
+                   help="tokens per verify step, or 'auto' (the predictor chooses per prompt); default: auto "
+                   "with a predictor, else the drafter's training block size")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
     p.add_argument("--seed", type=int, help="random seed for sampling (same seed, same output)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="at most this many tokens per prompt")
     p.add_argument("--no-chat-template", action="store_true",
                    help="feed the prompt as plain text even when the tokenizer has a chat template")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockpilot.runtime.runner import Runner
-
     block_size = parse_block_size(args.block_size)
     texts = read_prompts(args.prompt, args.prompts_file)
-    models = resolve_models(args.target, args.drafter, args.predictor)
-    runner = Runner.from_dir(models.target, drafter_dir=models.drafter, predictor=models.predictor)
-    tokenizer = load_tokenizer(models.target)
+    opened = open_runner(args)
+    runner = opened.runner
+    tokenizer = load_tokenizer(opened.choice.tokenizer)
     end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else runner.end_id
     batch = [chat_prompt_ids(tokenizer, text, not args.no_chat_template) for text in texts]
     # generate(streaming=True) checks its input before returning the (lazy) stream, so every
@@ -72,22 +64,12 @@ def run(args: argparse.Namespace) -> int:
                         streaming=True, return_dict=True)
         for ids in batch
     ]
-    if models.note:
-        print(f"note: {models.note}", file=sys.stderr)
+    if opened.note:
+        print(f"note: {opened.note}", file=sys.stderr)
     for number, (ids, stream) in enumerate(zip(batch, streams), 1):
         stats = stream_text(stream, len(ids), tokenizer, sys.stdout)
         print(f"[{number}/{len(batch)}] {stats}", file=sys.stderr, flush=True)
     return 0
-
-
-def parse_block_size(value: str | None) -> int | str | None:
-    """`None`, `"auto"` or an int from the `--block-size` text; the runner checks the range."""
-    if value is None or value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"--block-size {value!r} is not an integer or 'auto'; pass e.g. --block-size 8") from None
 
 
 def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
@@ -112,34 +94,6 @@ def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
     if not texts:
         raise UserError(f"prompts file {prompts_file} has no prompts; write one prompt a line")
     return texts
-
-
-@dataclasses.dataclass(frozen=True)
-class Models:
-    target: Path
-    drafter: Path | None
-    predictor: Path | None
-    note: str | None  # why decoding will be autoregressive, if it will
-
-
-def resolve_models(target: Path | None, drafter: Path | None, predictor: Path | None) -> Models:
-    """The model paths, with the embedded target and its shipped drafter and predictor filled in
-    when `target` is None."""
-    note = None
-    if target is None:
-        from blockpilot.assets import default_drafter_dir, default_predictor_path
-        from blockpilot.assets.smollm2 import smollm2_dir
-
-        target = smollm2_dir()
-        if drafter is None:
-            try:
-                drafter = default_drafter_dir()
-                predictor = predictor or default_predictor_path()
-            except UserError as exc:  # the package ships no drafter (yet)
-                note = f"{exc}; "
-    if drafter is None:
-        note = f"{note or ''}no drafter, decoding autoregressively (block size 1)"
-    return Models(target, drafter, predictor, note)
 
 
 class TextStream:

@@ -6,6 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+from blockpilot.commands.common import BLOCK_SIZES_EXAMPLE, add_device_arg, argument_type, parse_block_sizes
+from blockpilot.errors import UserError
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -16,27 +19,29 @@ def add_parser(subparsers) -> None:
         "dataset directory (safetensors + meta.json); rerunning with the same --out resumes it.",
     )
     p.add_argument("--target", type=Path, help="target model dir (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", type=Path, help="DFlash drafter dir (default: the embedded drafter)")
-    p.add_argument("--prompts", type=Path, help="JSONL file, one {\"prompt\": ...} a line")
-    p.add_argument("--replay-answers", type=Path, metavar="FILE",
-                   help="instead of --prompts, at --temperature 0: a JSONL file of prompts with the target's "
-                   "greedy answers ({\"prompt\", \"answer_ids\" or \"answer\", \"finish\"}); tau is replayed "
-                   "exactly with drafter passes only, step times come from a short calibration")
+    p.add_argument("--drafter", type=Path, help="DFlash drafter dir (default: the shipped drafter)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", type=Path, help="JSONL file, one {\"prompt\": ...} a line: decode every "
+                        "prompt at every candidate block size")
+    source.add_argument("--replay-answers", type=Path, metavar="FILE",
+                        help="instead of --prompts, at --temperature 0: a JSONL file of prompts with the target's "
+                        "greedy answers ({\"prompt\", \"answer_ids\" or \"answer\", \"finish\"}); tau is "
+                        "replayed exactly with drafter passes only, step times come from a short calibration")
     p.add_argument("--calibration-prompts", type=int, default=4,
-                   help="replay: time draft + verify on this many prompts (default 4)")
-    p.add_argument("--calibration-reps", type=int, default=5, help="replay: timed rounds per prompt (default 5)")
+                   help="replay: time draft + verify on this many prompts")
+    p.add_argument("--calibration-reps", type=int, default=5, help="replay: timed rounds per prompt")
     p.add_argument("--note", default="", help="free text stored in the dataset's meta.json")
-    p.add_argument("--candidates", help="block sizes: a range like 14-18 or a list like 14,16,18 "
-                   "(default: the drafter's block size +- 2)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-sizes", type=argument_type(parse_block_sizes), metavar="LIST",
+                   help=f"candidate block sizes, at least two, each >= 2, e.g. {BLOCK_SIZES_EXAMPLE} "
+                   "(default: the drafter's training block size +- 2)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt and block size")
     p.add_argument("--out", type=Path, required=True, help="dataset directory (created, or resumed)")
     p.add_argument("--limit", type=int, help="label only the first N prompts of the file")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: derived from it)")
-    p.add_argument("--backend", default="torch")
-    p.add_argument("--device", default="cpu")
+    add_device_arg(p)
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as plain text")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock, or by this process's CPU time (on a shared machine; "
@@ -45,14 +50,17 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockpilot.predictor.labelling import LabelJob, parse_candidates, run_label_job
+    from blockpilot.devices import resolve_device
+    from blockpilot.predictor.labelling import LabelJob, run_label_job
 
+    if args.block_sizes is not None and (len(args.block_sizes) < 2 or args.block_sizes[0] < 2):
+        raise UserError(f"--block-sizes {','.join(map(str, args.block_sizes))}: label needs at least two "
+                        "candidate block sizes, each >= 2")
     job = LabelJob(
         target=args.target or _default_target(), drafter=args.drafter or _default_drafter(),
-        prompts=args.prompts, out=args.out,
-        candidates=parse_candidates(args.candidates) if args.candidates else None,
+        prompts=args.prompts, out=args.out, candidates=args.block_sizes,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        limit=args.limit, seed=args.seed, backend=args.backend, device=args.device,
+        limit=args.limit, seed=args.seed, device=resolve_device(args.device),
         chat_template=not args.no_chat_template, clock=args.clock, replay_answers=args.replay_answers,
         calibration_prompts=args.calibration_prompts, calibration_reps=args.calibration_reps, note=args.note,
     )

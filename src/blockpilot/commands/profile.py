@@ -8,10 +8,11 @@ import signal
 import sys
 from pathlib import Path
 
-from blockpilot.devices import resolve_device
+from blockpilot.commands.common import add_model_args, argument_type, parse_block_sizes
 from blockpilot.errors import UserError
 
 BASELINES = "ar,hf-ar,hf-dflash,hf-prompt-lookup"
+BLOCK_MODES = ("auto", "sweep", "oracle")  # profiling.session.BLOCK_MODES, kept here so --help needs no torch
 
 
 def add_parser(subparsers) -> None:
@@ -25,30 +26,26 @@ def add_parser(subparsers) -> None:
         "reported as an error (exit status 1). Ctrl-C or SIGTERM writes what was measured, marked partial "
         "(exit 130).",
     )
-    models = p.add_argument_group("models (default: the embedded SmolLM2-135M-Instruct and its drafter)")
-    models.add_argument("--engine-dir", type=Path, help="engine directory (blockpilot build) for our runner; the "
-                        "transformers peers then use its target/ and drafter/ unless --target/--drafter are given")
-    models.add_argument("--target", type=Path, help="Hugging Face target dir")
-    models.add_argument("--drafter", type=Path, help="DFlash drafter dir (z-lab format)")
-    models.add_argument("--predictor", type=Path, help="block-size predictor .onnx (blockpilot train-predictor) "
-                        "for --block-size auto (overrides an engine directory's)")
-    models.add_argument("--predictor-threshold", type=float, help="override the predictor's fallback threshold")
-    models.add_argument("--backend", help="our runner's backend (default: Runner.from_dir's)")
-    models.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    models.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    add_model_args(p, peers=True)
+    p.add_argument("--predictor-threshold", type=float,
+                   help="override the predictor's fallback threshold (below it the runtime uses B_train)")
     p.add_argument("--dataset", action="append", default=[], required=True,
-                   help="humaneval, mtbench, sharegpt or a JSONL file of {\"prompt\": ...} (repeatable)")
+                   help="humaneval, mtbench, sharegpt, stdlib-code or a JSONL file of {\"prompt\": ...} "
+                   "(repeatable)")
     p.add_argument("--limit", type=int, help="at most N prompts per dataset")
-    p.add_argument("--block-size", default="",
-                   help="comma list of N, auto, sweep, oracle (default: auto with a predictor, else the drafter's)")
-    p.add_argument("--candidates",
-                   help="sweep block sizes, e.g. 14-18 or 12,16,20 (default: the predictor's, else B_train+-2)")
+    p.add_argument("--block-sizes", type=argument_type(parse_block_sizes, BLOCK_MODES), default=(),
+                   metavar="LIST",
+                   help="our runner's block sizes: sizes and ranges (e.g. 6-8,10: one system each), auto "
+                   "(the predictor), sweep (the predictor's candidates, else B_train +- 2), oracle (the best "
+                   "fixed size per prompt, over the listed sizes or the sweep); default: auto with a predictor, "
+                   "else the drafter's training block size")
     p.add_argument("--oracle-by", default="tau", choices=("tau", "time"), help="oracle picks the best sweep size by")
-    p.add_argument("--temperature", default="0", help="comma list, e.g. 0,1 (default 0)")
-    p.add_argument("--baselines", default=BASELINES, help=f"comma list (default {BASELINES}); ar is always run")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=1, help="requests per system run before measuring (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", default="0", help="comma list of temperatures, e.g. 0,1")
+    p.add_argument("--baselines", default=BASELINES,
+                   help="comma list of ar, hf-ar, hf-dflash, hf-prompt-lookup; ar is always run")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--warmup", type=int, default=1, help="requests per system run before measuring")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (one per prompt, derived from it)")
     p.add_argument("--out", type=Path, required=True, help="report directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -59,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     options = ProfileOptions(
         out_dir=args.out, datasets=args.dataset, sources=_sources(args),
-        block_sizes=_block_modes(args.block_size), temperatures=_floats(args.temperature, "--temperature"),
-        baselines=_names(args.baselines), candidates=_candidates(args.candidates), oracle_by=args.oracle_by,
+        block_sizes=_block_modes(args.block_sizes), temperatures=_floats(args.temperature, "--temperature"),
+        baselines=_names(args.baselines), candidates=_candidates(args.block_sizes), oracle_by=args.oracle_by,
         limit=args.limit, max_new_tokens=args.max_new_tokens, warmup=args.warmup, seed=args.seed,
         command=["blockpilot", *sys.argv[1:]], progress=not args.no_progress,
     )
@@ -109,48 +106,12 @@ def _f(x) -> str:
 
 
 def _sources(args):
-    from blockpilot.profiling.session import resolve_dtype
+    from blockpilot.commands.common import resolve_models, torch_dtype
     from blockpilot.profiling.systems import ModelSources
 
-    target, drafter, predictor, tokenizer = args.target, args.drafter, args.predictor, None
-    for path, flag in ((args.engine_dir, "--engine-dir"), (target, "--target"), (drafter, "--drafter")):
-        if path is not None and not Path(path).is_dir():
-            raise UserError(f"{flag} {path}: no such directory")
-    if args.engine_dir is not None:
-        target, drafter, tokenizer = _engine_models(args.engine_dir, target, drafter)
-    elif target is None:
-        target, drafter, predictor = _embedded_default(drafter, predictor)
-    if predictor is not None and not predictor.is_file():
-        raise UserError(f"--predictor {predictor}: no such file")
-    device = resolve_device(args.device)
-    return ModelSources(target, drafter, args.engine_dir, args.backend, device, resolve_dtype(args.dtype),
-                        predictor, args.predictor_threshold, tokenizer)
-
-
-def _engine_models(engine_dir: Path, target: Path | None, drafter: Path | None) -> tuple[Path, Path, Path]:
-    """Target and drafter dirs for the transformers peers (the engine's copies unless given) and the
-    tokenizer dir (the engine dir, which holds the target's tokenizer files)."""
-    from blockpilot.builder.manifest import read_manifest
-
-    manifest = read_manifest(engine_dir, verify_files=False)
-    return (target or engine_dir / manifest.target_dir, drafter or engine_dir / manifest.drafter_dir,
-            engine_dir if manifest.tokenizer_files else (target or engine_dir / manifest.target_dir))
-
-
-def _embedded_default(drafter: Path | None, predictor: Path | None) -> tuple[Path, Path | None, Path | None]:
-    """The embedded SmolLM2 target, its shipped drafter unless `drafter` is given (None when none is
-    shipped: then only block size 1 and the drafter-free peers can run), and the shipped predictor
-    for the shipped drafter unless `predictor` is given."""
-    from blockpilot.assets import default_drafter_dir, default_predictor_path
-    from blockpilot.assets.smollm2 import smollm2_dir
-
-    if drafter is None:
-        try:
-            drafter = default_drafter_dir()
-        except UserError:
-            return smollm2_dir(), None, predictor
-        predictor = predictor or default_predictor_path()
-    return smollm2_dir(), drafter, predictor
+    m = resolve_models(args, peers=True)
+    return ModelSources(m.target, m.drafter, m.engine_dir, m.backend if m.engine_dir else None, m.device,
+                        torch_dtype(m.dtype), m.predictor, args.predictor_threshold, m.tokenizer)
 
 
 def _names(text: str) -> list[str]:
@@ -164,22 +125,14 @@ def _floats(text: str, flag: str) -> list[float]:
         raise UserError(f"{flag} {text!r}: give numbers separated by commas, e.g. 0,1") from None
 
 
-def _block_modes(text: str) -> list[int | str]:
-    return [int(part) if part.lstrip("-").isdigit() else part for part in _names(text)]
+def _block_modes(block_sizes: tuple) -> list[int | str]:
+    """Session modes from `--block-sizes`: "sweep" for the listed sizes (so the oracle covers them),
+    then the keywords."""
+    words = [b for b in block_sizes if isinstance(b, str)]
+    listed = any(isinstance(b, int) for b in block_sizes)
+    return (["sweep"] if listed and "sweep" not in words else []) + words
 
 
-def _candidates(text: str | None) -> list[int] | None:
-    """"14-18" -> [14..18]; "12,16,20" -> [12, 16, 20]."""
-    if not text:
-        return None
-    try:
-        if "-" in text:
-            low, high = (int(x) for x in text.split("-"))
-            sizes = list(range(low, high + 1))
-        else:
-            sizes = [int(x) for x in _names(text)]
-    except ValueError:
-        sizes = []
-    if not sizes:
-        raise UserError(f"--candidates {text!r}: give a range like 14-18 or a list like 12,16,20")
-    return sizes
+def _candidates(block_sizes: tuple) -> list[int] | None:
+    """The listed sizes (the sweep's), or None for the default sweep."""
+    return [b for b in block_sizes if isinstance(b, int)] or None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from blockpilot.commands.common import add_device_arg
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -15,7 +17,8 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--target", type=Path, help="target model dir (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, required=True, help="output drafter dir (z-lab format)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="the drafter's training block size B_train (one value; the shipped drafter uses 8)")
     p.add_argument("--layers", type=int, default=3, help="drafter layers")
     p.add_argument("--taps", type=int, default=5, help="number of tapped target layers")
     p.add_argument("--mask-token-id", type=int, help="mask token id (default: the embedded model's unused special token)")
@@ -24,15 +27,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompts", help="prompts to answer with the target first: a JSONL file of {prompt}, or a "
                    "training set (sharegpt, stdlib-code)")
     p.add_argument("--regenerate", type=int, default=0, help="how many --prompts to answer (0: none)")
-    p.add_argument("--gen-max-new-tokens", type=int, default=256)
+    p.add_argument("--gen-max-new-tokens", type=int, default=256, help="tokens per answer for --regenerate")
     p.add_argument("--gen-batch-size", type=int, default=16, help="prompts answered per batch")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+    add_device_arg(p)
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
-    p.add_argument("--time-budget", type=float, required=True, help="minutes of training (schedule fits it)")
+    p.add_argument("--time-budget", type=float, required=True, help="minutes of training (the schedule fits it)")
     p.add_argument("--max-steps", type=int, help="stop after N steps (default: as many as the time budget allows)")
-    p.add_argument("--sequences-per-step", type=int, default=8)
+    p.add_argument("--sequences-per-step", type=int, default=8, help="training sequences per optimizer step")
     p.add_argument("--anchors", type=int, default=16, help="anchored blocks per sequence")
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (cosine schedule)")
     p.add_argument("--gamma", type=float, help="loss decay (default 7 for B>=16, 5 for B>=10, else 4)")
     p.add_argument("--valid", type=int, default=48, help="held-out sequences for the periodic tau")
     p.add_argument("--eval-every", type=float, default=5.0, help="minutes between validation evals")
@@ -40,7 +43,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--work-dir", type=Path, help="features cache + checkpoints (default: OUT.work)")
     p.add_argument("--resume", action="store_true", help="continue from the work dir's checkpoint")
     p.add_argument("--no-autocast", action="store_true", help="train in fp32 instead of bf16 autocast")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (anchors, split, initialisation)")
     p.set_defaults(run=run)
 
 

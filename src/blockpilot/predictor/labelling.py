@@ -44,25 +44,6 @@ class LabelJob:
     note: str = ""  # free text kept in meta.json (e.g. where the prompts come from)
 
 
-def parse_candidates(text: str) -> tuple[int, ...]:
-    """"14-18" (a range, inclusive) or "14,16,18" -> sorted distinct block sizes, each >= 2.
-
-    Raises:
-        UserError: the text is neither form, or a size is below 2.
-    """
-    try:
-        if "-" in text:
-            low, high = (int(part) for part in text.split("-"))
-            sizes = tuple(range(low, high + 1))
-        else:
-            sizes = tuple(sorted({int(part) for part in text.split(",")}))
-    except ValueError:
-        raise UserError(f"--candidates {text!r} is not a range like 14-18 or a list like 14,16,18") from None
-    if len(sizes) < 2 or sizes[0] < 2:
-        raise UserError(f"--candidates {text!r} must name at least two block sizes, each >= 2")
-    return sizes
-
-
 def default_candidates(b_train: int, radius: int = 2) -> tuple[int, ...]:
     """B_train - radius .. B_train + radius, without sizes below 2."""
     return tuple(range(max(2, b_train - radius), b_train + radius + 1))

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
-
 from blockpilot.errors import UserError
 from blockpilot.profiling.measure import REFERENCE, Plan, greedy_mismatches, oracle_rows, run_plan
 from blockpilot.profiling.systems import Models, ModelSources, RunnerSystem, System, SystemRegistry, default_registry
@@ -146,12 +144,12 @@ def _build_systems(options: ProfileOptions, models: Models, registry: SystemRegi
 
 
 def _runner_block_sizes(mode, runner, candidates: list[int] | None) -> list[tuple[str, int | str]]:
-    """(system name, block size) pairs for one `--block-size` mode, checked against the runner."""
+    """(system name, block size) pairs for one `--block-sizes` mode, checked against the runner."""
     if mode is None:
         mode = "auto" if runner.policy is not None else runner.default_block_size
     if mode == "auto":
         if runner.policy is None:
-            raise UserError("--block-size auto needs a block-size predictor, and this runner has none; "
+            raise UserError("--block-sizes auto needs a block-size predictor, and this runner has none; "
                             "profile an engine directory built with a predictor, or give a block size")
         return [("bp-auto", "auto")]
     sizes = [mode] if isinstance(mode, int) else _sweep_sizes(runner, candidates)
@@ -167,7 +165,7 @@ def _sweep_sizes(runner, candidates: list[int] | None) -> list[int]:
         return sorted(runner.policy.candidates)
     drafter = runner.backend.drafter_config
     if drafter is None:
-        raise UserError("--block-size sweep/oracle needs a drafter; pass --drafter DIR")
+        raise UserError("--block-sizes sweep/oracle needs a drafter; pass --drafter DIR")
     b = drafter.block_size
     sizes = range(b - SWEEP_RADIUS, b + SWEEP_RADIUS + 1)
     return [k for k in sizes if k >= 2 and runner.backend.supports_block_size(k)]
@@ -175,7 +173,7 @@ def _sweep_sizes(runner, candidates: list[int] | None) -> list[int]:
 
 def _check_block_size(runner, size: int) -> None:
     if size > 1 and runner.backend.drafter_config is None:
-        raise UserError(f"block size {size} needs a drafter; pass --drafter DIR or use --block-size 1")
+        raise UserError(f"block size {size} needs a drafter; pass --drafter DIR or use --block-sizes 1")
     if not runner.backend.supports_block_size(size):
         raise UserError(f"block size {size} is not supported by this {runner.backend.name} backend; "
                         f"choose one it supports (e.g. {runner.default_block_size})")
@@ -251,11 +249,3 @@ def _results(options: ProfileOptions, plan: Plan, systems: list[System], rows: l
 
 def _str(path) -> str | None:
     return str(path) if path is not None else None
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """`torch.float32` etc. from "float32", "bfloat16", "float16"."""
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise UserError(f"--dtype {name!r} is not one of {', '.join(dtypes)}")
-    return dtypes[name]
