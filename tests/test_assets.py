@@ -15,7 +15,8 @@ from blockpilot.assets import packages, prompts, smollm2
 from blockpilot.assets.prompts import Prompt
 from blockpilot.errors import UserError
 
-# Greedy answers recorded in shared/data/smollm2_answers.jsonl (fp32 transformers, GGUF weights).
+# Greedy answers recorded with fp32 transformers `generate` on the GGUF weights (rows of
+# data/smollm2-answers-9831.jsonl.gz).
 RECORDED_GREEDY_ANSWERS = [
     ("I would like you to remember this fact. Bill has a green ball.", "Bill has a green ball."),
     (

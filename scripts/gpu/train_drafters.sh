@@ -5,8 +5,8 @@
 # copies .gpu1/gguf.part_a to /tmp/keep (scripts/gpu/stage_part_a.sh); this script, run in the
 # next call while the machine is still warm, carries .gpu2 = {gguf.part_b, wheels, train_prompts.jsonl} and:
 #   1. joins and converts the GGUF (SHA-256 checked by smollm2_dir),
-#   2. answers the prompt sets $ANSWER_SETS (default: the stdlib-code set, then shared/data's
-#      train_prompts.jsonl) where $SEED_ANSWERS has no answer yet (greedy fp32, batched),
+#   2. answers the prompt sets $ANSWER_SETS (default: the stdlib-code set, then the training prompts
+#      file carried as $G2/train_prompts.jsonl) where $SEED_ANSWERS has no answer yet (greedy fp32, batched),
 #   3. trains drafters (block sizes $BLOCKS, $LAYERS layers) side by side on the GPU,
 #   4. leaves in $OUT: fp16 drafters split in 12 MB parts, answers.jsonl.gz, meta.tgz (configs,
 #      training logs) and job.log: at most 8 files, as a call may bring back.

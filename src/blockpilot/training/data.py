@@ -2,8 +2,8 @@
 
 A `Sequence` is the chat-formatted prompt followed by the target's answer, as token ids, with the
 index where the answer starts (loss is taken on answer tokens only). Answers either come from a
-JSONL file of `{"prompt", "answer", "finish"}` rows (e.g. `shared/data/smollm2_answers.jsonl`) or
-are regenerated here with batched greedy generation.
+JSONL file of `{"prompt", "answer", "finish"}` rows (what `blockpilot answer` writes, or
+`data/smollm2-answers-9831.jsonl.gz` unpacked) or are regenerated here with batched greedy generation.
 """
 
 from __future__ import annotations
