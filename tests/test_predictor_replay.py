@@ -115,8 +115,9 @@ def test_replay_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
 
     fails(["--replay-answers", str(answers), "--temperature", "1", "--out", str(tmp_path / "a")],
           "exact only at --temperature 0")
-    fails(["--replay-answers", str(answers), "--prompts", str(answers), "--out", str(tmp_path / "b")], "not both")
-    fails(["--out", str(tmp_path / "c")], "pass --prompts FILE")
+    fails(["--replay-answers", str(answers), "--prompts", str(answers), "--out", str(tmp_path / "b")],
+          "argument --prompts: not allowed with argument --replay-answers")
+    fails(["--out", str(tmp_path / "c")], "one of the arguments --prompts --replay-answers is required")
     fails(["--replay-answers", str(no_answer), "--out", str(tmp_path / "d")], "needs \"answer_ids\"")
     assert cli.main(base + ["--prompts", str(answers), "--out", str(tmp_path / "e")]) == 0
     capsys.readouterr()
