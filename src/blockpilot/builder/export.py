@@ -13,7 +13,9 @@ Target graph (`target.onnx`):
 The query at `positions[t]` attends over every cache index <= it (the whole capacity is in the
 graph; stale entries beyond the positions are masked out). New K/V are written at `positions`.
 
-Drafter graph (`drafter.onnx`): embedding, DFlash layers, the target's lm_head and argmax.
+Drafter graph (`drafter.onnx`): embedding, DFlash layers, the target's lm_head and argmax. With a
+draft vocabulary (`draft_vocab_ids`) the graph holds only those N rows of lm_head and the ids as
+initializers, and maps the argmax back to target ids, so its outputs are the same either way.
     inputs   last_token (b, 1) int64, block_positions (K,) int64, context_taps (b, n, tH),
              context_positions (n,) int64 (contiguous; n >= 1: the decode loop always commits
              at least one token), context_length (1,) int64,
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter
+from blockpilot.models.dflash import DFlashDrafter, greedy_draft_tokens
 
 SUPPORTED_OPSETS = (18, 24)
 TARGET_INPUTS = ("input_ids", "positions", "logits_index")
@@ -113,6 +115,9 @@ class DrafterGraph(nn.Module):
         self.lm_head = target.lm_head
         self.drafter = drafter
         self.mask_token_id = drafter.config.mask_token_id
+        # (N, H) rows of lm_head for a draft vocabulary (an initializer of its own); None: lm_head itself
+        reduced = drafter.draft_vocab_ids is not None
+        self.register_buffer("draft_head", drafter.draft_head_weight(target.lm_head.weight) if reduced else None)
 
     def forward(self, last_token, block_positions, context_taps, context_positions, context_length, *past):
         d = self.drafter
@@ -132,7 +137,8 @@ class DrafterGraph(nn.Module):
             v_ctx = past[2 * i + 1].index_copy(2, context_positions, v_new.to(past[2 * i + 1].dtype))
             x = layer(x, k_ctx, v_ctx, block_rope, mask)
             present += [k_ctx, v_ctx]
-        draft_ids = self.lm_head(d.norm(x)[:, 1:]).argmax(-1)  # (b, K - 1)
+        head = self.lm_head.weight if self.draft_head is None else self.draft_head
+        draft_ids = greedy_draft_tokens(d.norm(x)[:, 1:], head, d.draft_vocab_ids)  # (b, K - 1) target ids
         return (draft_ids, *present)
 
 

@@ -1,7 +1,10 @@
 """Loading and saving checkpoints: Hugging Face targets and z-lab-format DFlash drafters.
 
 Weights are read with safetensors only. Every problem a user can fix (missing directory, missing
-or corrupt weight file, a checkpoint of another architecture) raises `UserError`.
+or corrupt weight file, a checkpoint of another architecture, bad draft-vocabulary ids) raises `UserError`.
+A drafter's `model.safetensors` may carry two optional tensors besides the z-lab weights:
+`mask_embedding` `(H,)` and `draft_vocab_ids` `(N,)` int64 (its draft vocabulary, see
+`blockpilot.models.dflash`); the ids are never cast to the weights' dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from blockpilot.models.dflash import DFlashDrafter
 from blockpilot.models.layers import RotaryTable
 
 MASK_EMBEDDING_KEY = "mask_embedding"
+DRAFT_VOCAB_KEY = "draft_vocab_ids"
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -76,12 +80,15 @@ def load_drafter(model_dir: Path | str, dtype=torch.float32, max_positions: int 
     """A `DFlashDrafter` from a z-lab-format directory (config.json + model.safetensors)."""
     model_dir = Path(model_dir)
     config = DrafterConfig.from_dict(read_config_json(model_dir), str(model_dir / "config.json"))
-    state = {k.removeprefix("model."): v.to(dtype) for k, v in read_safetensors(model_dir).items()}
+    raw = {k.removeprefix("model."): v for k, v in read_safetensors(model_dir).items()}
+    draft_vocab_ids = raw.pop(DRAFT_VOCAB_KEY, None)
+    state = {k: v.to(dtype) for k, v in raw.items()}
     mask_embedding = state.pop(MASK_EMBEDDING_KEY, None)
     with torch.device("meta"):
         model = DFlashDrafter(config, max_positions=1)
     _assign(model, state, model_dir, "DFlash drafter")
     model.set_mask_embedding(mask_embedding)
+    model.set_draft_vocabulary(draft_vocab_ids, source=str(model_dir / "model.safetensors"))
     model.rope = RotaryTable(config.layers, max_positions or config.layers.max_position_embeddings)
     return model.eval()
 
@@ -95,6 +102,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: Path | str, extra_files: dict[
         state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != MASK_EMBEDDING_KEY}
         if drafter.mask_embedding is not None:
             state[MASK_EMBEDDING_KEY] = drafter.mask_embedding.detach().cpu().contiguous()
+        if drafter.draft_vocab_ids is not None:
+            state[DRAFT_VOCAB_KEY] = drafter.draft_vocab_ids.cpu().contiguous()
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         config = drafter.config.to_dict()
         config["torch_dtype"] = str(drafter.fc.weight.dtype).removeprefix("torch.")

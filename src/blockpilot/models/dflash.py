@@ -10,6 +10,13 @@ context and all of itself. Block K/V never enter the cache.
 Mask token: by default the target's embedding of `mask_token_id`. A checkpoint may instead carry a
 learned `mask_embedding` `(H,)` tensor (for targets whose vocabulary has no spare id); when it is
 present it replaces that lookup. z-lab checkpoints have no such tensor and load unchanged.
+
+Draft vocabulary: a checkpoint may carry `draft_vocab_ids` `(N,)` int64, sorted unique target ids (the
+N most frequent tokens of the target's own outputs, as FR-Spec and EAGLE-3's `draft_vocab_size` do).
+Greedy drafting then takes the argmax over those N rows of the target's `lm_head` only and maps the
+winner back to its target id (`draft_head_weight`, `greedy_draft_tokens`). Without the tensor the
+argmax runs over the full vocabulary. Verification always uses the full vocabulary, so output is
+unchanged; only drafts whose best token lies outside the list are lost.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blockpilot.errors import UserError
 from blockpilot.models.config import DrafterConfig
 from blockpilot.models.decoder import KVCache
 from blockpilot.models.layers import MLP, Attention, RMSNorm, RotaryTable, write_cache
@@ -61,10 +69,27 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mask_embedding: nn.Parameter | None = None
+        self.register_buffer("draft_vocab_ids", None, persistent=False)  # (N,) int64 or None: full vocab
         self.rope = RotaryTable(c, max_positions or c.max_position_embeddings)
 
     def set_mask_embedding(self, value: torch.Tensor | None) -> None:
         self.mask_embedding = None if value is None else nn.Parameter(value.clone())
+
+    def set_draft_vocabulary(self, ids: torch.Tensor | None, source: str = "draft vocabulary") -> None:
+        """Restrict greedy drafting to the target ids `ids` `(N,)` (None: the full vocabulary).
+
+        Raises:
+            UserError: `ids` are not sorted unique int64 ids of the target's vocabulary.
+        """
+        if ids is not None:
+            check_draft_vocab_ids(ids, self.config.layers.vocab_size, source)
+            ids = ids.to(self.fc.weight.device)
+        self.draft_vocab_ids = ids
+
+    def draft_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """`(N, H)` rows of the target's `lm_head` weight `(V, H)` for the draft vocabulary (the
+        weight itself without one). Gather it once per loaded model, not per step."""
+        return lm_head_weight if self.draft_vocab_ids is None else lm_head_weight.detach()[self.draft_vocab_ids]
 
     def block_embeddings(self, first_token_embed: torch.Tensor, mask_embed: torch.Tensor, block_size: int):
         """`(B, block_size, H)`: the last committed token's embedding, then the mask embedding."""
@@ -104,3 +129,40 @@ class DFlashDrafter(nn.Module):
             v_ctx = write_cache(cache.v[i], ctx_positions, v_new)[:, :, :kv_len]
             x = layer(x, k_ctx, v_ctx, block_rope)
         return self.norm(x)
+
+
+def greedy_draft_tokens(hidden: torch.Tensor, head_weight: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    """Greedy draft tokens as target ids: argmax of `hidden @ head_weight.T`, mapped through `vocab_ids`.
+
+    Args:
+        hidden: `(..., H)` drafter outputs (after the final norm).
+        head_weight: `(N, H)` from `DFlashDrafter.draft_head_weight` (N = V without a draft vocabulary).
+        vocab_ids: `(N,)` target id of each row of `head_weight`, or None when the rows are all V ids.
+
+    Returns:
+        `(...)` int64 target token ids.
+    """
+    best = torch.nn.functional.linear(hidden, head_weight).argmax(-1)  # (...) row of head_weight
+    return best if vocab_ids is None else vocab_ids[best]
+
+
+def check_draft_vocab_ids(ids: torch.Tensor, vocab_size: int, source: str = "draft vocabulary") -> None:
+    """Raise `UserError` unless `ids` is a non-empty `(N,)` int64 tensor of sorted unique ids in [0, vocab_size)."""
+    fix = "write it with scripts/draft_vocab.py, or remove the tensor to draft over the full vocabulary"
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        kind = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise UserError(f"{source}: draft_vocab_ids has dtype {kind}, expected int64 token ids; {fix}")
+    if ids.dim() != 1:
+        raise UserError(f"{source}: draft_vocab_ids has shape {tuple(ids.shape)}, expected (N,); {fix}")
+    if ids.numel() == 0:
+        raise UserError(f"{source}: draft_vocab_ids is empty; {fix}")
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        raise UserError(f"{source}: draft_vocab_ids holds id {int(outside[0])} outside the target's vocabulary "
+                        f"[0, {vocab_size}); {fix}")
+    steps = ids[1:] - ids[:-1]
+    if (steps == 0).any():
+        raise UserError(f"{source}: draft_vocab_ids repeats id {int(ids[1:][steps == 0][0])}; store each id once; {fix}")
+    if (steps < 0).any():
+        raise UserError(f"{source}: draft_vocab_ids is not sorted ascending (id {int(ids[1:][steps < 0][0])} comes "
+                        f"after a larger id); sort the ids; {fix}")

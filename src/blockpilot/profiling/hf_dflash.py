@@ -16,7 +16,9 @@ crops the block's `B` entries before the next call.
 
 `DFlashAssistant` runs exactly the layers of `blockpilot.models.dflash.DFlashDrafter` (same
 modules, same weights) under that calling convention; `tests/test_profiling_hf_dflash.py` checks
-that its proposals equal `TorchBackend.draft`'s.
+that its proposals equal `TorchBackend.draft`'s. The generator applies the target's full `lm_head`,
+so a drafter's draft vocabulary (`draft_vocab_ids`) does not reach this peer: it drafts over the full
+vocabulary, as transformers' DFlash does.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 
 from blockpilot.models.config import DecoderConfig, DrafterConfig
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter
+from blockpilot.models.dflash import DFlashDrafter, greedy_draft_tokens
 
 
 @dataclasses.dataclass
@@ -83,6 +83,7 @@ class TorchBackend:
         self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30)
         self.device = target.embed_tokens.weight.device
         self.dtype = target.embed_tokens.weight.dtype
+        self.draft_head = drafter.draft_head_weight(target.lm_head.weight) if drafter is not None else None  # (N, H)
 
     def supports_block_size(self, block_size: int) -> bool:
         return 1 <= block_size <= self.max_block_size
@@ -119,7 +120,7 @@ class TorchBackend:
             state.drafter_cache,
             kv_len=ctx_start + n,
         )
-        return t.lm_head(hidden[:, 1:]).argmax(-1)
+        return greedy_draft_tokens(hidden[:, 1:], self.draft_head, d.draft_vocab_ids)  # (B, K - 1) target ids
 
     @torch.inference_mode()
     def verify(self, state, block_ids, start):

@@ -6,7 +6,8 @@ teacher-forced target pass over prompt + `y` gives every position's taps; then, 
 the drafter proposes a block at the current position from the context committed so far, the step
 accepts the leading drafts that equal `y`, and the next block starts after the bonus token.
 This is the runtime's loop with the verify pass replaced by the known answer, so it measures the
-same tau (up to floating-point differences between one long pass and per-block passes).
+same tau (up to floating-point differences between one long pass and per-block passes). Drafts are
+the runtime's: argmax over the drafter's draft vocabulary when it has one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import dataclasses
 import torch
 
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter
+from blockpilot.models.dflash import DFlashDrafter, greedy_draft_tokens
 from blockpilot.training.objective import Batch, block_forward, block_labels, simulated_tau
 
 
@@ -52,6 +53,7 @@ def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], 
     y = torch.tensor(ids)
     end = len(ids) - 1 if stop_at is None else min(stop_at, len(ids) - 1)
     mask_embed = target.embed_tokens.weight[drafter.config.mask_token_id]
+    head = drafter.draft_head_weight(target.lm_head.weight)  # (N, H)
     runs = [_Replay(size, prompt_len, KVCache.allocate(drafter.config.layers, 1, len(ids) + size, torch.float32))
             for size in block_sizes]
     while active := [r for r in runs if r.pos < end]:
@@ -60,7 +62,7 @@ def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], 
             block = drafter.block_embeddings(target.embed_tokens(y[r.pos:r.pos + 1])[None], mask_embed, r.size)
             hidden.append(drafter(block, torch.arange(r.pos, r.pos + r.size), taps[:, r.ctx_start:r.pos],
                                   torch.arange(r.ctx_start, r.pos), r.cache, r.pos)[0, 1:])  # (size - 1, H)
-        drafts = target.lm_head(torch.cat(hidden)).argmax(-1).split([r.size - 1 for r in active])
+        drafts = greedy_draft_tokens(torch.cat(hidden), head, drafter.draft_vocab_ids).split([r.size - 1 for r in active])
         for r, draft in zip(active, drafts):
             truth = y[r.pos + 1: r.pos + r.size]
             accepted = min(int((draft[:len(truth)] == truth).long().cumprod(0).sum()), len(ids) - 1 - r.pos)
@@ -98,5 +100,6 @@ def anchored_tau(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt
     batch = Batch(torch.tensor([ids]), taps, torch.tensor([n]), anchors[None], torch.ones(1, len(anchors), dtype=torch.bool))
     hidden = block_forward(drafter, target.embed_tokens.weight, batch, block_size)[:, 1:]
     labels, valid = block_labels(batch, block_size)
-    correct = (target.lm_head(hidden).argmax(-1) == labels) & valid
+    drafts = greedy_draft_tokens(hidden, drafter.draft_head_weight(target.lm_head.weight), drafter.draft_vocab_ids)
+    correct = (drafts == labels) & valid
     return simulated_tau(correct, valid)
