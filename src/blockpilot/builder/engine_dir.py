@@ -162,6 +162,7 @@ def _export_graphs(spec: BuildSpec, target, drafter, out: Path, log) -> tuple[Gr
     limits, taps = ExportLimits(spec.max_seq_len), drafter.config.target_layer_ids
     log(f"exporting the target graph (opset {spec.opset}, {spec.dtype}) ...")
     big = _weight_bytes(target) > spec.external_data_bytes
+    target.fuse_projections()  # q/k/v and gate/up as one product each: fewer, larger MatMuls in the graph
     t_spec = export_target(target, taps, out / "target.onnx", limits, spec.opset, external_data=big)
     log("exporting the drafter graph ...")
     big = _weight_bytes(drafter, target.embed_tokens, target.lm_head) > spec.external_data_bytes

@@ -190,6 +190,7 @@ class ModelChoice:
     device: str
     runner_device: str | None
     dtype: str
+    embedded_engine: bool = False  # the engine dir is the embedded default's cached one
 
 
 def resolve_models(args: argparse.Namespace, *, peers: bool = False) -> ModelChoice:
@@ -220,12 +221,31 @@ def resolve_models(args: argparse.Namespace, *, peers: bool = False) -> ModelCho
     if args.backend not in (None, "torch"):
         raise UserError(f"--backend {args.backend} runs an engine directory; build one with `blockpilot build` "
                         "and pass --engine-dir, or use --backend torch")
+    if target is None and drafter is None and _embedded_engine_applies(args, device):
+        from blockpilot.builder.embedded import embedded_engine_dir
+
+        return _engine_choice(args, embedded_engine_dir(), None, None, predictor, device, peers, embedded=True)
     if target is None:
         target, drafter, predictor = _embedded_default(drafter, predictor)
     return ModelChoice(target, drafter, predictor, None, target, "torch", device, device, args.dtype or "fp32")
 
 
-def _engine_choice(args, engine: Path, target, drafter, predictor, device: str, peers: bool) -> ModelChoice:
+def _embedded_engine_applies(args: argparse.Namespace, device: str) -> bool:
+    """The embedded default runs from its cached fp32 engine directory on onnxruntime (the fastest
+    lossless CPU path) unless the user asks for torch, another dtype, or a CUDA device."""
+    from blockpilot.assets import default_drafter_dir
+
+    if args.backend not in (None, "onnxruntime") or (args.dtype or "fp32") != "fp32" or device != "cpu":
+        return False
+    try:
+        default_drafter_dir()
+    except UserError:  # the package ships no drafter: nothing to build
+        return False
+    return True
+
+
+def _engine_choice(args, engine: Path, target, drafter, predictor, device: str, peers: bool,
+                   embedded: bool = False) -> ModelChoice:
     from blockpilot.builder.manifest import read_manifest
 
     if not peers and (target is not None or drafter is not None):
@@ -241,7 +261,7 @@ def _engine_choice(args, engine: Path, target, drafter, predictor, device: str, 
     # device, or the torch backend, gets the resolved device.
     runner_device = None if args.device == "auto" and args.backend != "torch" else device
     return ModelChoice(target, drafter, predictor, engine, tokenizer, args.backend, device, runner_device,
-                       manifest.dtype)
+                       manifest.dtype, embedded)
 
 
 def _embedded_default(drafter: Path | None, predictor: Path | None) -> tuple[Path, Path | None, Path | None]:
@@ -266,6 +286,24 @@ class OpenedRunner:
     note: str | None  # for stderr: why decoding will be autoregressive, if it will
 
 
+def _open_engine_runner(choice: ModelChoice):
+    from blockpilot.runtime.runner import Runner
+
+    def open_it(engine_dir: Path):
+        return Runner.from_dir(engine_dir, backend=choice.backend, device=choice.runner_device,
+                               predictor=choice.predictor)
+
+    if not choice.embedded_engine:
+        return open_it(choice.engine_dir)
+    from blockpilot.builder.embedded import discard, embedded_engine_dir
+
+    try:
+        return open_it(choice.engine_dir)
+    except UserError:  # a damaged cache (a file changed or went missing): build it again
+        discard(choice.engine_dir)
+        return open_it(embedded_engine_dir())
+
+
 def open_runner(args: argparse.Namespace) -> OpenedRunner:
     """The `Runner` for the model options of `args` (see `add_model_args`), with where its models
     came from and a note when decoding will be autoregressive (no drafter)."""
@@ -273,8 +311,7 @@ def open_runner(args: argparse.Namespace) -> OpenedRunner:
 
     choice = resolve_models(args)
     if choice.engine_dir is not None:
-        runner = Runner.from_dir(choice.engine_dir, backend=choice.backend, device=choice.runner_device,
-                                 predictor=choice.predictor)
+        runner = _open_engine_runner(choice)
     else:
         runner = Runner.from_dir(choice.target, drafter_dir=choice.drafter, backend=choice.backend,
                                  device=choice.runner_device, dtype=torch_dtype(choice.dtype),

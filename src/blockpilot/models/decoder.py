@@ -48,8 +48,10 @@ class DecoderOutput:
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """`(T, kv_len)` bool: the query at `positions[i]` sees every key at index <= it."""
-    return torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]
+    """`(1, 1, T, kv_len)` bool: the query at `positions[i]` sees every key at index <= it.
+
+    4-D, so that the exported ONNX Attention gets the mask rank TensorRT's parser requires."""
+    return (torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None])[None, None]
 
 
 class DecoderLayer(nn.Module):
@@ -63,10 +65,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, positions, k_cache, v_cache, kv_len: int, mask):
         attn = self.self_attn
         h = self.input_layernorm(x)
-        k, v = attn.key_value(h, cos, sin)
+        q, k, v = attn.query_key_value(h, cos, sin)
         k_all = write_cache(k_cache, positions, k)[:, :, :kv_len]
         v_all = write_cache(v_cache, positions, v)[:, :, :kv_len]
-        x = x + attn.attend(attn.query(h, cos, sin), k_all, v_all, mask)
+        x = x + attn.attend(q, k_all, v_all, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -83,6 +85,14 @@ class Decoder(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryTable(config, max_positions or config.max_position_embeddings)
+
+    def fuse_projections(self) -> "Decoder":
+        """One matrix product for q/k/v and one for gate/up in every layer (inference only: the
+        fused copies do not follow later weight updates). Returns self."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+        return self
 
     @property
     def max_positions(self) -> int:

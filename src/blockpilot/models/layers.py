@@ -20,6 +20,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One op (ONNX RMSNormalization from opset 23, which onnxruntime runs fused); in fp32 it is
+        # bit-identical to weight * (x * rsqrt(mean(x^2) + eps)). Other dtypes normalise in fp32.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -55,7 +59,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
+        self.gate_up: torch.Tensor | None = None  # (2 i, h) [gate; up], set by `fuse_projections`
+
+    def fuse_projections(self) -> None:
+        """Compute gate and up projections with one matrix product (same values, fewer calls)."""
+        self.gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight)).detach()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -76,6 +89,27 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse_projections`
+
+    def fuse_projections(self) -> None:
+        """Compute q, k and v with one matrix product (same values, fewer calls)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        bias = torch.cat([p.bias for p in projs]).detach() if self.q_proj.bias is not None else None
+        self.qkv = (torch.cat([p.weight for p in projs]).detach(), bias)
+
+    def query_key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated queries `(B, nh, T, hd)`, rotated keys and values `(B, nkv, T, hd)` of `x`."""
+        if self.qkv is None:
+            return (self.query(x, cos, sin), *self.key_value(x, cos, sin))
+        b, t, _ = x.shape
+        fused = F.linear(x, *self.qkv)
+        q, k, v = fused.split((self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim), -1)
+        q, k = q.view(b, t, self.n_heads, self.head_dim), k.view(b, t, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        return q, k, v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
 
     def _heads(self, x: torch.Tensor, proj: nn.Linear, n: int, norm: RMSNorm | None) -> torch.Tensor:
         out = proj(x).view(x.shape[0], x.shape[1], n, self.head_dim)  # (B, T, n, hd)

@@ -91,7 +91,9 @@ def onnx_torch_difference(path: str | Path, model: torch.nn.Module, features: to
     """Max |torch - onnxruntime| of the probabilities of `model` and the ONNX file at `path`."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    from blockpilot.runtime.ort_session import session_options
+
+    session = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
     inputs = {FEATURES_INPUT: features.float().numpy()}
     if temperature is not None:
         inputs[TEMPERATURE_INPUT] = temperature.float().numpy()

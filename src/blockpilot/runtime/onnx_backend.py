@@ -32,15 +32,13 @@ def numpy_float_type(dtype: str):
 
 
 def make_session(path: Path, threads: int | None = None):
-    """An onnxruntime CPU session for `path` (graph optimizations on, warnings muted)."""
+    """An onnxruntime CPU session for `path` on the process-wide thread pool (`ort_session`)."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
+    from blockpilot.runtime.ort_session import session_options
+
     try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types for graphs it cannot run
         raise UserError(f"onnxruntime cannot load {path} ({str(exc).splitlines()[0][:200]}); rebuild the engine "
                         "directory with `blockpilot build --dtype fp32` for the onnxruntime backend") from None

@@ -282,17 +282,15 @@ def load_policy(path: str | Path, backend, *, target_dir: str | Path, drafter_di
 
 
 def _load_session(path: Path):
-    """An onnxruntime CPU session on one thread that does not spin (the decode loop owns the cores)."""
+    """An onnxruntime CPU session on the package's shared thread pool (`runtime.ort_session`)."""
     if not path.is_file():
         raise UserError(f"predictor {path} not found; pass the .onnx written by `blockpilot train-predictor`")
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    from blockpilot.runtime.ort_session import session_options
+
     try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types for unreadable models
         raise UserError(f"predictor {path} is not a readable ONNX model ({type(exc).__name__}); "
                         "retrain it with `blockpilot train-predictor`") from None
