@@ -17,13 +17,7 @@ from trt_onnx import load_graph, parser_data, parser_problems, profile_problems
 
 from builder_fixtures import tiny_engine_dir
 
-TARGET_MASK_IS_2D = (
-    "the target graph's Attention gets a 2D attn_mask (query, capacity); TensorRT's parser requires Q, K, V "
-    "and attn_mask to be 4D (builder/export.py: give the mask shape (1, 1, query, capacity) as the drafter's)")
-GRAPH_CASES = [
-    pytest.param(24, "target", marks=pytest.mark.xfail(reason=TARGET_MASK_IS_2D, strict=True)),
-    (24, "drafter"), (18, "target"), (18, "drafter"),
-]
+GRAPH_CASES = [(24, "target"), (24, "drafter"), (18, "target"), (18, "drafter")]
 
 
 def graph_problems(engine_dir, name: str) -> list[str]:
