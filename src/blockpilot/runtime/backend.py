@@ -65,22 +65,47 @@ class Backend(Protocol):
         committed since the last call; `last_tokens` `(B,)` sits at `block_start`."""
         ...
 
-    def verify(self, state: DecodeState, block_ids: torch.Tensor, start: int) -> VerifyOutput: ...
+    def verify(self, state: DecodeState, block_ids: torch.Tensor, start: int) -> VerifyOutput:
+        """Target logits and taps of the K tokens `block_ids` `(B, K)` at positions `start..start+K-1`.
+
+        Lossless speculation needs each row's result to be independent of K: a plain decoding step
+        (K = 1) must round exactly like row 0 of a K = 8 verify. Backends whose kernels do not give
+        that for every K run extra padding rows (`padded_block`) and drop their outputs; the cache
+        entries they write lie beyond the committed positions and are overwritten later."""
+        ...
+
+
+def padded_block(block_ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """`block_ids` `(B, K)` extended to `(B, max(K, rows))` by repeating its last token."""
+    k = block_ids.shape[1]
+    return block_ids if k >= rows else torch.cat((block_ids, block_ids[:, -1:].expand(-1, rows - k)), dim=1)
 
 
 class TorchBackend:
-    """Runs `models/` directly (CPU or CUDA): the reference backend."""
+    """Runs `models/` directly (CPU or CUDA): the reference backend.
+
+    With `fixed_shape` every target forward after prefill runs `max_block_size` query rows over the
+    whole cache (padding rows dropped): one kernel shape for plain decoding and every block size,
+    so each row rounds the same whatever K is. Eager products (MKL in fp32, oneDNN in bf16) and
+    attention over `start + K` keys round differently per shape otherwise (measured on SmolLM2:
+    rows of a K = 8 verify differ from K = 1 steps by up to 5e-5 in fp32, more in bf16). Reduced
+    precision uses it by default (`Runner.from_dir`), where products cost about the same for 1 and
+    16 rows; fp32 without it is the fast reference, exact up to such rounding.
+    """
 
     name = "torch"
 
-    def __init__(self, target: Decoder, drafter: DFlashDrafter | None, max_block_size: int | None = None):
+    def __init__(self, target: Decoder, drafter: DFlashDrafter | None, max_block_size: int | None = None,
+                 fixed_shape: bool = False):
         self.target = target
         self.drafter = drafter
         self.target_config = target.config
         self.drafter_config = drafter.config if drafter is not None else None
         self.tap_layers = self.drafter_config.target_layer_ids if drafter is not None else ()
         self.max_block_size = max_block_size or (2 * self.drafter_config.block_size if drafter else 1)
-        self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30)
+        self.fixed_rows = self.max_block_size if fixed_shape else None
+        self.pad_rows = (self.fixed_rows or 1) - 1  # cache positions padding rows may write past a block
+        self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30) - self.pad_rows
         self.device = target.embed_tokens.weight.device
         self.dtype = target.embed_tokens.weight.dtype
         self.draft_head = drafter.draft_head_weight(target.lm_head.weight) if drafter is not None else None  # (N, H)
@@ -89,7 +114,7 @@ class TorchBackend:
         return 1 <= block_size <= self.max_block_size
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:
-        target_cache = KVCache.allocate(self.target_config, batch, capacity, self.dtype, self.device)
+        target_cache = KVCache.allocate(self.target_config, batch, capacity + self.pad_rows, self.dtype, self.device)
         drafter_cache = (
             KVCache.allocate(self.drafter_config.layers, batch, capacity, self.dtype, self.device)
             if self.drafter is not None else None
@@ -126,7 +151,11 @@ class TorchBackend:
     def verify(self, state, block_ids, start):
         t = self.target
         k = block_ids.shape[1]
-        positions = torch.arange(start, start + k, device=self.device)
-        out = t(t.embed_tokens(block_ids), positions, state.target_cache, start + k, self.tap_layers)
-        taps = out.taps if out.taps is not None else out.hidden[:, :, :0]
-        return VerifyOutput(logits=t.lm_head(out.hidden), taps=taps)
+        ids = padded_block(block_ids, self.fixed_rows or k)
+        rows = ids.shape[1]
+        kv_len = state.target_cache.capacity if self.fixed_rows else start + k
+        positions = torch.arange(start, start + rows, device=self.device)
+        out = t(t.embed_tokens(ids), positions, state.target_cache, kv_len, self.tap_layers)
+        hidden = out.hidden[:, :k]
+        taps = out.taps[:, :k] if out.taps is not None else hidden[:, :, :0]
+        return VerifyOutput(logits=t.lm_head(hidden), taps=taps)

@@ -59,7 +59,8 @@ def _open_torch(engine_dir: Path, manifest: Manifest, device: str):
     dtype, positions = TORCH_DTYPES[manifest.dtype], manifest.max_seq_len
     target = load_target(engine_dir / manifest.target_dir, dtype=dtype, max_positions=positions).to(device)
     drafter = load_drafter(engine_dir / manifest.drafter_dir, dtype=dtype, max_positions=positions).to(device)
-    return TorchBackend(target, drafter, max_block_size=max(manifest.block_sizes))
+    return TorchBackend(target, drafter, max_block_size=max(manifest.block_sizes),
+                        fixed_shape=manifest.dtype != "fp32")  # see TorchBackend
 
 
 def _open_backend(name: str, engine_dir: Path, manifest: Manifest, device: str | None, threads: int | None):

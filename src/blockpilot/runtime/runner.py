@@ -123,6 +123,9 @@ class Runner:
             return cls.from_engine_dir(model_dir, backend=backend, device=device, predictor=predictor,
                                        predictor_threshold=predictor_threshold)
         device = device or "cpu"
+        if dtype == torch.float16 and drafter_dir is not None and str(device).startswith("cpu"):
+            raise UserError("fp16 on the CPU rounds each row differently with the number of rows a step carries, "
+                            "so speculation would not be lossless; use bf16 or fp32 on the CPU (fp16 on CUDA)")
         if backend not in (None, "torch"):
             raise UserError(f"backend {backend!r} needs an engine directory (blockpilot build); use backend='torch'")
         target = load_target(model_dir, dtype=dtype).to(device)
@@ -130,7 +133,9 @@ class Runner:
         if drafter_dir is not None:
             drafter = load_drafter(drafter_dir, dtype=dtype).to(device)
             check_drafter_fits_target(target.config, drafter.config, where=f"drafter {drafter_dir}")
-        torch_backend = TorchBackend(target, drafter, max_block_size)
+        # Reduced precision runs one kernel shape for every step (see TorchBackend), so that
+        # speculation is exactly lossless there too.
+        torch_backend = TorchBackend(target, drafter, max_block_size, fixed_shape=dtype != torch.float32)
         policy = None
         if predictor is not None:
             from blockpilot.runtime.policy import load_policy

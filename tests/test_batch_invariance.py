@@ -1,0 +1,115 @@
+"""Every row of a verify step rounds exactly like a plain decoding step, on every lossless path.
+
+Speculation is lossless only if the target's logits for a position do not depend on how many
+tokens the forward carried: otherwise a near-tie can go one way in a K = 1 step and the other in a
+K = 8 verify. The paths offered as lossless are checked bit for bit:
+
+    onnxruntime fp32   every forward runs >= 2 rows (one padding row for plain decoding)
+    torch bf16         every forward after prefill runs `max_block_size` rows over the whole cache
+
+(torch fp16 on the CPU is refused for speculation: its rows differ even at one fixed shape.)
+
+and greedy speculative output is compared with plain decoding at every block size. The T = 1
+distribution tests of these paths are in `test_sampling.py`. SmolLM2 (slow) is where the kernels
+really differ by shape: without the padding rows its rows differ by ~4e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockpilot.runtime.runner import Runner
+
+from builder_fixtures import tiny_engine_dir, tiny_models
+
+PROMPT = [5, 17, 42, 8, 11, 3, 29]
+
+
+def verify_rows_and_steps(backend, prompt: list[int], block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits `(K, V)` of `block` verified at once, and of the same tokens verified one by one."""
+    n, capacity = len(prompt), len(prompt) + 2 * len(block) + 2
+    at_once = backend.new_state(1, capacity)
+    backend.prefill(at_once, torch.tensor([prompt]))
+    rows = backend.verify(at_once, torch.tensor([block]), n).logits[0]
+    one_by_one = backend.new_state(1, capacity)
+    backend.prefill(one_by_one, torch.tensor([prompt]))
+    steps = [backend.verify(one_by_one, torch.tensor([[t]]), n + i).logits[0, 0] for i, t in enumerate(block)]
+    return rows, torch.stack(steps)
+
+
+def tiny_path(tmp_path_factory, path: str):
+    if path == "onnxruntime-fp32":
+        return Runner.from_dir(tiny_engine_dir(tmp_path_factory, "llama", 24), backend="onnxruntime")
+    target, drafter = tiny_models(tmp_path_factory, "llama")
+    return Runner.from_dir(target, drafter_dir=drafter, dtype=torch.bfloat16, max_block_size=8)
+
+
+LOSSLESS_PATHS = ["onnxruntime-fp32", "torch-bf16"]
+
+
+@pytest.mark.parametrize("path", LOSSLESS_PATHS)
+def test_verify_rows_equal_plain_decoding_steps_bit_for_bit(tmp_path_factory, path):
+    backend = tiny_path(tmp_path_factory, path).backend
+    block = [7, 30, 2, 19, 44, 13, 5, 23]
+    for k in range(2, 9):
+        if not backend.supports_block_size(k):
+            continue
+        rows, steps = verify_rows_and_steps(backend, PROMPT, block[:k])
+        assert torch.equal(rows, steps), f"{path}: K={k} rows differ from K=1 steps by {(rows - steps).abs().max()}"
+
+
+@pytest.mark.parametrize("path", LOSSLESS_PATHS)
+def test_greedy_speculation_equals_plain_decoding_at_every_block_size(tmp_path_factory, path):
+    runner = tiny_path(tmp_path_factory, path)
+    ids = [torch.tensor(PROMPT)]
+    plain = runner.generate(ids, max_new_tokens=24, end_id=-1, block_size=1)
+    for k in range(2, 9):
+        if runner.backend.supports_block_size(k):
+            out = runner.generate(ids, max_new_tokens=24, end_id=-1, block_size=k)
+            assert out.tolist() == plain.tolist(), f"{path}: block size {k}"
+
+
+def test_padding_rows_leave_no_trace_in_the_committed_cache(tmp_path_factory):
+    """A plain decoding step's padding row writes one position past the token; the next step
+    overwrites it, so decoding token by token gives the same cache as one prefill of everything."""
+    backend = tiny_path(tmp_path_factory, "torch-bf16").backend
+    tokens = PROMPT + [7, 30, 2]
+    stepped = backend.new_state(1, 16)
+    backend.prefill(stepped, torch.tensor([PROMPT]))
+    last = None
+    for i, t in enumerate(tokens[len(PROMPT):]):
+        last = backend.verify(stepped, torch.tensor([[t]]), len(PROMPT) + i).logits[0, 0]
+    again = backend.new_state(1, 16)
+    backend.prefill(again, torch.tensor([PROMPT]))
+    rows = backend.verify(again, torch.tensor([tokens[len(PROMPT):]]), len(PROMPT)).logits[0]
+    assert torch.equal(rows[-1], last)
+
+
+def test_fp16_speculation_on_the_cpu_is_refused_with_one_line(tmp_path_factory):
+    from blockpilot.errors import UserError
+
+    target, drafter = tiny_models(tmp_path_factory, "llama")
+    with pytest.raises(UserError, match="fp16 on the CPU"):
+        Runner.from_dir(target, drafter_dir=drafter, dtype=torch.float16)
+    assert Runner.from_dir(target, dtype=torch.float16).backend.drafter_config is None  # plain decoding is fine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["onnxruntime-fp32", "torch-bf16"])
+def test_smollm2_verify_rows_equal_plain_decoding_steps_bit_for_bit(path):
+    from blockpilot.assets import default_drafter_dir
+    from blockpilot.assets.smollm2 import smollm2_dir
+
+    if path == "onnxruntime-fp32":
+        from blockpilot.builder.embedded import embedded_engine_dir
+
+        backend = Runner.from_dir(embedded_engine_dir(), backend="onnxruntime").backend
+    else:
+        backend = Runner.from_dir(smollm2_dir(), drafter_dir=default_drafter_dir(), dtype=torch.bfloat16).backend
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 49152, (60,), generator=generator).tolist()
+    block = torch.randint(3, 49152, (16,), generator=generator).tolist()
+    for k in (2, 4, 8, 16):
+        rows, steps = verify_rows_and_steps(backend, prompt, block[:k])
+        assert torch.equal(rows, steps), f"{path}: K={k} rows differ by {(rows - steps).abs().max()}"
