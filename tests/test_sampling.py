@@ -169,8 +169,8 @@ class LookupDraftBackend(TorchBackend):
     T = 1 a third to half of the drafts are accepted and the test exercises acceptance, bonus tokens
     and rollback (and costs no drafter forward)."""
 
-    def __init__(self, target, drafter, tables: dict[int, dict[int, list[int]]]):
-        super().__init__(target, drafter)
+    def __init__(self, target, drafter, tables: dict[int, dict[int, list[int]]], fixed_shape: bool = False):
+        super().__init__(target, drafter, fixed_shape=fixed_shape)
         self.tables = tables
 
     def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
@@ -288,3 +288,65 @@ def biased_first_tokens(backend, block_size: int, generator: torch.Generator) ->
         tokens.append(int(torch.multinomial(probs[kept], 1, generator=generator)))  # wrong: not the residual
         taps = verify.taps[:, : kept + 1]
     return tokens[:N_TOKENS]
+
+
+# ------------------------------------------------------------------ T = 1 on every path offered
+
+class LookupDraftOnnxBackend:
+    """The onnxruntime backend of an engine dir with `LookupDraftBackend`'s drafts."""
+
+    def __init__(self, inner, tables):
+        self.inner, self.tables = inner, tables
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
+        proposal = self.tables.get(block_start, {}).get(int(last_tokens[0]), [0])
+        return torch.tensor([(proposal * block_size)[: block_size - 1]])
+
+
+def backend_joint(backend) -> torch.Tensor:
+    """`p[t1, t2, t3]` as `backend` itself computes the target (plain decoding steps, float64 softmax)."""
+    n = len(PROMPT)
+    state = backend.new_state(1, 16)
+    p1 = backend.prefill(state, torch.tensor([PROMPT])).last_logits[0].double().softmax(-1)
+    joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    for t1 in range(VOCAB):
+        p2 = backend.verify(state, torch.tensor([[t1]]), n).logits[0, 0].double().softmax(-1)
+        for t2 in range(VOCAB):
+            p3 = backend.verify(state, torch.tensor([[t2]]), n + 1).logits[0, 0].double().softmax(-1)
+            joint[t1, t2] = p1[t1] * p2[t2] * p3
+    return joint
+
+
+@pytest.fixture(scope="module")
+def offered_paths(tmp_path_factory):
+    """The onnxruntime fp32 and torch bf16 backends of the tiny-vocabulary target, with lookup drafts."""
+    from blockpilot.builder.engine_dir import BuildSpec, build_engine_dir
+    from blockpilot.models.checkpoint import load_drafter, load_target
+    from blockpilot.runtime.engine_dir import open_engine_dir
+
+    tmp = tmp_path_factory.mktemp("tiny-vocab-paths")
+    target = make_hf_target(tmp, "llama", vocab_size=VOCAB)
+    drafter = make_drafter(tmp, target, block_size=8)
+    tables = greedy_tables(exact_joint(target, PROMPT))
+    build_engine_dir(BuildSpec(target, drafter, tmp / "engine", (2, 4, 8), 32))
+    ort = LookupDraftOnnxBackend(open_engine_dir(tmp / "engine", backend="onnxruntime").backend, tables)
+    bf16 = LookupDraftBackend(load_target(target, dtype=torch.bfloat16),
+                              load_drafter(drafter, dtype=torch.bfloat16), tables, fixed_shape=True)
+    return {"onnxruntime-fp32": ort, "torch-bf16": bf16}
+
+
+@pytest.mark.parametrize("path", ["onnxruntime-fp32", "torch-bf16"])
+@pytest.mark.parametrize("block_size", [2, 8])
+def test_speculative_sampling_at_t1_matches_the_target_distribution_on_every_offered_path(
+        offered_paths, path, block_size):
+    backend = offered_paths[path]
+    joint = backend_joint(backend)
+    counts, accept_lengths = runner_first_tokens(backend, block_size, seed=10 + block_size)
+    stat, df = chi2_statistic(counts, joint)
+    assert stat < chi2_critical(df), f"{path}: chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+    assert sum(a >= 2 for a in accept_lengths) > N_SAMPLES // 5  # drafts were accepted
+    wrong, _ = runner_first_tokens(backend, block_size, temperature=0.7, seed=20 + block_size)
+    assert chi2_statistic(wrong, joint)[0] > chi2_critical(df)  # and the test can tell
