@@ -41,7 +41,7 @@ class PathResult:
     verify_ms: dict[int, float]
     draft_ms: dict[int, float]
     weight_bytes: int
-    note: str = ""
+    one_row_ms: float | None = None  # a 1-row step where the backend pads plain decoding (not lossless)
 
     def step_ratio(self, k: int) -> float | None:
         if k == 1:
@@ -139,7 +139,8 @@ def weight_footprint(backend) -> tuple[int, int]:
 
 
 def time_backend(backend, k_max: int, context: int, repeats: int) -> tuple[dict, dict]:
-    """Median ms of verify(K) for K = 1..k_max and of draft(K) for K = 2..k_max."""
+    """Median ms of verify(K) for K = 1..k_max, of draft(K) for K = 2..k_max, and of an unpadded
+    1-row step when the backend pads plain decoding (else None)."""
     vocab = backend.target_config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (1, context), generator=generator)
@@ -147,7 +148,11 @@ def time_backend(backend, k_max: int, context: int, repeats: int) -> tuple[dict,
     state = backend.new_state(1, context + 2 * k_max + 2)
     prefill = backend.prefill(state, prompt.to(device))
     last = torch.tensor([5], device=device)
-    verify_ms, draft_ms = {}, {}
+    verify_ms, draft_ms, one_row = {}, {}, None
+    if getattr(backend, "min_rows", 1) > 1:  # what the padding row of plain decoding costs
+        rows, backend.min_rows = backend.min_rows, 1
+        one_row = 1e3 * _median_s(lambda: backend.verify(state, last[:, None], context), repeats)
+        backend.min_rows = rows
     for k in range(1, k_max + 1):
         if not backend.supports_block_size(k):
             continue
@@ -157,7 +162,7 @@ def time_backend(backend, k_max: int, context: int, repeats: int) -> tuple[dict,
             taps = prefill.taps[:, -1:]
             draft_ms[k] = 1e3 * _median_s(
                 lambda: backend.draft(state, last, taps, context - 1, context, k), repeats)
-    return verify_ms, draft_ms
+    return verify_ms, draft_ms, one_row
 
 
 # ---------------------------------------------------------------- report
@@ -206,12 +211,16 @@ def main(argv=None) -> int:
         results = []
         for name in names:
             backend = open_path(name, target_dir, drafter_dir, engine_dir_for, args.k_max, args.threads)
-            verify_ms, draft_ms = time_backend(backend, args.k_max, args.context, args.repeats)
-            results.append(PathResult(name, verify_ms, draft_ms, weight_footprint(backend)[0]))
+            verify_ms, draft_ms, one_row = time_backend(backend, args.k_max, args.context, args.repeats)
+            results.append(PathResult(name, verify_ms, draft_ms, weight_footprint(backend)[0], one_row))
             print(f"{name}: K=1 {verify_ms[1]:.1f} ms", file=sys.stderr, flush=True)
             del backend
     floors = None if args.no_floors else measure_floors()
     print(table(results, floors, args.k_max))
+    for r in results:
+        if r.one_row_ms is not None:
+            print(f"\n{r.name}: plain decoding runs 2 rows ({r.verify_ms[1]:.1f} ms) so that it rounds like every "
+                  f"block size; an unpadded 1-row step takes {r.one_row_ms:.1f} ms")
     if floors:
         print(f"\nfloors: streaming read {floors['bandwidth_gb_s']:.1f} GB/s; products "
               f"fp32 {floors['peak_gflop_s']['fp32']:.0f} GFLOP/s, bf16 {floors['peak_gflop_s']['bf16']:.0f} GFLOP/s; "
