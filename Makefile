@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(BIN)/blockpilot generate --prompt "$(PROMPT)"
+	$(BIN)/blockpilot generate --prompt "$(PROMPT)" --compare-plain
 
 demo: setup
 	$(BIN)/blockpilot demo

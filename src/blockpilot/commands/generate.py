@@ -13,6 +13,7 @@ autoregressive (block size 1); with a predictor, the block size is chosen per pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
     p.add_argument("--seed", type=int, help="random seed for sampling (same seed, same output)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="at most this many tokens per prompt")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also decode each prompt without speculation (block size 1, same seed) and report "
+                   "the speedup and whether the tokens are the same")
     p.add_argument("--no-chat-template", action="store_true",
                    help="feed the prompt as plain text even when the tokenizer has a chat template")
     p.set_defaults(run=run)
@@ -66,10 +70,38 @@ def run(args: argparse.Namespace) -> int:
     ]
     if opened.note:
         print(f"note: {opened.note}", file=sys.stderr)
+    sampling = dict(max_new_tokens=args.max_new_tokens, end_id=end_id, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, random_seed=args.seed)
+    if args.compare_plain:  # first calls pay one-time allocations; keep them out of both timings
+        for size in (1, block_size):
+            runner.generate([batch[0]], **{**sampling, "max_new_tokens": 4}, block_size=size)
     for number, (ids, stream) in enumerate(zip(batch, streams), 1):
         stats = stream_text(stream, len(ids), tokenizer, sys.stdout)
         print(f"[{number}/{len(batch)}] {stats}", file=sys.stderr, flush=True)
+        if args.compare_plain:
+            print(f"[{number}/{len(batch)}] {compare_with_plain(runner, ids, sampling, stats)}", file=sys.stderr,
+                  flush=True)
     return 0
+
+
+def compare_with_plain(runner, ids: list[int], sampling: dict, stats) -> str:
+    """Plain decoding of `ids` with the same settings: its tokens/s after prefill beside the
+    speculative run's (`stats`), and whether the tokens are the same."""
+    plain = runner.generate([torch_tensor(ids)], **sampling, block_size=1, return_dict=True)
+    timing = plain["timings"][0]
+    tokens = plain["output_ids"][0, 0, len(ids):int(plain["sequence_lengths"][0, 0])].tolist()
+    rate = (len(tokens) - 1) / (timing["draft_s"] + timing["verify_s"]) if len(tokens) > 1 else 0.0
+    same = "same tokens" if tokens == stats.tokens else "different tokens"
+    if sampling["temperature"] > 0:
+        same += " (expected at T > 0: same distribution, different draws)"
+    speedup = f"{stats.decode_rate / rate:.2f}x" if rate else "-"
+    return f"plain decoding {rate:.1f} tok/s after prefill; speculative {speedup} faster; {same}"
+
+
+def torch_tensor(ids: list[int]):
+    import torch
+
+    return torch.tensor(ids)
 
 
 def read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
@@ -119,8 +151,18 @@ class TextStream:
         return new
 
 
-def stream_text(stream, prompt_len: int, tokenizer, out) -> str:
-    """Write one request's text to `out` as it is committed; return its statistics line."""
+@dataclasses.dataclass(frozen=True)
+class StreamStats:
+    line: str  # the statistics line for stderr
+    tokens: list[int]
+    decode_rate: float  # tokens/s after prefill
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def stream_text(stream, prompt_len: int, tokenizer, out) -> StreamStats:
+    """Write one request's text to `out` as it is committed; return its statistics."""
     text = TextStream(tokenizer)
     start = time.perf_counter()
     result = None
@@ -135,8 +177,8 @@ def stream_text(stream, prompt_len: int, tokenizer, out) -> str:
     timing = result["timings"][0]
     decode_s = timing["draft_s"] + timing["verify_s"]
     steps = len(result["accept_lengths"][0])
-    return (
-        f"{len(tokens)} tokens, tau {result['tau'][0]:.2f} over {steps} steps, block size "
-        f"{result['block_sizes'][0]}, {len(tokens) / wall:.1f} tok/s "
-        f"({(len(tokens) - 1) / decode_s if decode_s else 0.0:.1f} tok/s after prefill {timing['prefill_s']:.2f} s)"
-    )
+    rate = (len(tokens) - 1) / decode_s if decode_s else 0.0
+    line = (f"{len(tokens)} tokens, tau {result['tau'][0]:.2f} over {steps} steps, block size "
+            f"{result['block_sizes'][0]}, {len(tokens) / wall:.1f} tok/s "
+            f"({rate:.1f} tok/s after prefill {timing['prefill_s']:.2f} s)")
+    return StreamStats(line, tokens, rate)
