@@ -223,12 +223,14 @@ def check_profile(index, profile, feeds, reference_runner, trt_runner, dtype: st
 
 
 def check_profiles(engine_dir: Path, manifest, spec: CheckSpec, vocab: int, log) -> list[dict]:
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    from blockpilot.runtime.onnx_backend import make_session  # on the package's shared thread pool
 
     rows = []
     for name in ("target", "drafter"):
         entry, rng = getattr(manifest, name), np.random.default_rng(0)
-        reference = OnnxrtRunner(SessionFromOnnx(str(engine_dir / entry.onnx), providers=["cpu"]))
+        reference = OnnxrtRunner(make_session(engine_dir / entry.onnx))
         trt_runner = None if spec.dry_run else TrtProfileRunner(engine_dir / entry.engine, entry, manifest)
         with reference:
             for index, profile in enumerate(entry.profiles):

@@ -28,4 +28,8 @@ def session_options(threads: int | None = None):
 def _share_thread_pool(threads: int | None) -> None:
     from onnxruntime.capi import _pybind_state
 
-    _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
+    try:
+        _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
+    except Exception as exc:  # onnxruntime's own Fail type: the pool exists (another size asked for first)
+        if "already been created" not in str(exc):
+            raise
