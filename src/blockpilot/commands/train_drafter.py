@@ -17,8 +17,9 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--target", type=Path, help="target model dir (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, required=True, help="output drafter dir (z-lab format)")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="the drafter's training block size B_train (one value; the shipped drafter uses 8)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="the drafter's training block size B_train (one value; 8 is the shipped drafter's, which "
+                   "beat 16 at every inference block size on SmolLM2)")
     p.add_argument("--layers", type=int, default=3, help="drafter layers")
     p.add_argument("--taps", type=int, default=5, help="number of tapped target layers")
     p.add_argument("--mask-token-id", type=int, help="mask token id (default: the embedded model's unused special token)")
