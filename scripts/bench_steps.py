@@ -117,10 +117,10 @@ def open_path(name: str, target_dir: Path, drafter_dir: Path, engine_dir_for, k_
     """A `Backend` for `name` ("torch-fp32", "torch-bf16", "onnxruntime-fp32")."""
     backend, _, dtype = name.partition("-")
     if backend == "torch":
+        from blockpilot.builder.engine_dir import TORCH_DTYPES
         from blockpilot.runtime.runner import Runner
 
-        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-        return Runner.from_dir(target_dir, drafter_dir=drafter_dir, dtype=torch_dtype, max_block_size=k_max).backend
+        return Runner.from_dir(target_dir, drafter_dir=drafter_dir, dtype=TORCH_DTYPES[dtype], max_block_size=k_max).backend
     if backend == "onnxruntime":
         from blockpilot.runtime.engine_dir import open_engine_dir
 

@@ -96,8 +96,8 @@ class OnnxBackend:
 
     onnxruntime's matrix products take a different kernel for a single row; from 2 rows on, each
     row's result is bit-identical whatever the row count and cache capacity (checked on SmolLM2 for
-    2..16 rows, `tests/test_onnx_backend.py`), so this makes plain decoding round exactly like every
-    block size, at the cost of a 2-row step (measured by `scripts/bench_steps.py`)."""
+    2..16 rows, `tests/test_batch_invariance.py`), so this makes plain decoding round exactly like every
+    block size, at the cost of a 2-row step (`scripts/bench_steps.py` measured it equal to a 1-row step)."""
 
     def __init__(self, manifest: Manifest, target: OnnxGraph, drafter: OnnxGraph,
                  target_config: DecoderConfig, drafter_config: DrafterConfig):
