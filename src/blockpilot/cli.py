@@ -17,7 +17,7 @@ from blockpilot import __version__
 from blockpilot.commands.common import Parser
 from blockpilot.errors import UserError
 
-COMMANDS = ("generate", "demo", "answer", "train_drafter", "label", "train_predictor", "build", "profile")
+COMMANDS = ("generate", "demo", "answer", "train_drafter", "label", "train_predictor", "build", "profile", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
