@@ -12,6 +12,7 @@ Importing this module imports Ray; only `blockpilot serve --ray` and its test do
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -67,6 +68,7 @@ def start(load: Callable[[], ServedModel], config: ServerConfig, options: RayOpt
     returns once every replica has loaded its model."""
     import ray
 
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports from a local cluster
     if not ray.is_initialized():
         ray.init(address=options.address, num_cpus=options.num_cpus if options.address is None else None,
                  include_dashboard=False, log_to_driver=False)
