@@ -155,7 +155,7 @@ def _load_models(spec: BuildSpec):
     return target, drafter
 
 
-def _export_graphs(spec: BuildSpec, target, drafter, out: Path, log) -> tuple[GraphEntry, GraphEntry]:
+def _export_graphs(spec: BuildSpec, target, drafter, out: Path, log) -> tuple[GraphEntry, GraphEntry, int]:
     from blockpilot.builder.export import ExportLimits, export_drafter, export_target
     from blockpilot.builder.profiles import drafter_profiles, target_profiles
 
@@ -170,7 +170,8 @@ def _export_graphs(spec: BuildSpec, target, drafter, out: Path, log) -> tuple[Gr
     t_profiles = target_profiles(t_spec, target.config, spec.block_sizes, spec.max_seq_len)
     d_profiles = drafter_profiles(d_spec, drafter.config, spec.block_sizes, spec.max_seq_len)
     return (GraphEntry("target.onnx", None, t_spec.inputs, t_spec.outputs, t_spec.num_cache_layers, t_profiles),
-            GraphEntry("drafter.onnx", None, d_spec.inputs, d_spec.outputs, d_spec.num_cache_layers, d_profiles))
+            GraphEntry("drafter.onnx", None, d_spec.inputs, d_spec.outputs, d_spec.num_cache_layers, d_profiles),
+            limits.max_batch)
 
 
 def build_engine_dir(spec: BuildSpec, log: Callable[[str], None] = lambda message: None) -> Manifest:
@@ -194,7 +195,7 @@ def build_engine_dir(spec: BuildSpec, log: Callable[[str], None] = lambda messag
     written: list[Manifest] = []
 
     def fill(out: Path) -> None:
-        target_entry, drafter_entry = _export_graphs(spec, target, drafter, out, log)
+        target_entry, drafter_entry, max_batch = _export_graphs(spec, target, drafter, out, log)
         copy_model_files(spec.target_dir, out / "target")
         copy_model_files(spec.drafter_dir, out / "drafter")
         if spec.predictor is not None:
@@ -206,6 +207,7 @@ def build_engine_dir(spec: BuildSpec, log: Callable[[str], None] = lambda messag
             target=target_entry, drafter=drafter_entry, tokenizer_files=copy_tokenizer_files(spec.target_dir, out),
             predictor="predictor.onnx" if spec.predictor is not None else None, versions=package_versions(),
             sources={"target": str(Path(spec.target_dir).resolve()), "drafter": str(Path(spec.drafter_dir).resolve())},
+            max_batch=max_batch,
         )
         if spec.trt:
             from blockpilot.builder.trt import build_engines

@@ -6,26 +6,27 @@ the graph contract that onnxruntime, TensorRT and the tests share (`GraphSpec`).
 `K` block size, `H` hidden, `tH` taps x H, `V` vocab, `nkv`/`hd` KV heads and head dim.
 
 Target graph (`target.onnx`):
-    inputs   input_ids (b, T) int64, positions (T,) int64 (contiguous), logits_index (L,) int64,
+    inputs   input_ids (b, T) int64, positions (b, T) int64 (contiguous in each row), logits_index (L,) int64,
              past_key_i / past_value_i (b, nkv, cap, hd) for every layer i
     outputs  logits (b, L, V) at rows `logits_index` of the T queries, taps (b, T, tH),
              hidden (b, T, H) after the final norm, present_key_i / present_value_i
-The query at `positions[t]` attends over every cache index <= it (the whole capacity is in the
+The query at `positions[r, t]` attends over every cache index <= it in row r (the whole capacity is in the
 graph; stale entries beyond the positions are masked out). New K/V are written at `positions`.
 
 Drafter graph (`drafter.onnx`): embedding, DFlash layers, the target's lm_head and argmax. With a
 draft vocabulary (`draft_vocab_ids`) the graph holds only those N rows of lm_head and the ids as
 initializers, and maps the argmax back to target ids, so its outputs are the same either way.
-    inputs   last_token (b, 1) int64, block_positions (K,) int64, context_taps (b, n, tH),
-             context_positions (n,) int64 (contiguous; n >= 1: the decode loop always commits
-             at least one token), context_length (1,) int64,
+    inputs   last_token (b, 1) int64, block_positions (b, K) int64, context_taps (b, n, tH),
+             context_positions (b, n) int64 (contiguous in each row; n >= 1: the decode loop always
+             commits at least one token), context_length (b, 1) int64,
              past_key_i / past_value_i (b, nkv, cap, hd) of the drafter's context cache
     outputs  draft_ids (b, K - 1) int64 (greedy, block slots 1..K-1), present_key_i / present_value_i
-The block `[last_token, MASK x (K - 1)]` sees cache indices < context_length and itself.
+The block `[last_token, MASK x (K - 1)]` of row r sees cache indices < context_length[r] and itself.
+Rows are independent: one call can carry requests at different positions (a batch).
 
 Cache writes: present = past with the new K/V at the write positions, exported as ONNX
-`TensorScatter` (opset 24, write index = first position; onnxruntime and TensorRT >= 10.15 update
-it in place) or `ScatterND` (opset 18, any TensorRT 10; attention is then MatMul/Softmax).
+`TensorScatter` (opset 24, write index per row = its first position; onnxruntime and TensorRT >= 10.15
+update it in place) or `ScatterND` (opset 18, any TensorRT 10; attention is then MatMul/Softmax).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 
 from blockpilot.models.decoder import Decoder, KVCache
 from blockpilot.models.dflash import DFlashDrafter, greedy_draft_tokens
+from blockpilot.models.layers import rope_for_heads, write_cache
 
 SUPPORTED_OPSETS = (18, 24)
 TARGET_INPUTS = ("input_ids", "positions", "logits_index")
@@ -121,20 +123,20 @@ class DrafterGraph(nn.Module):
 
     def forward(self, last_token, block_positions, context_taps, context_positions, context_length, *past):
         d = self.drafter
-        k_block = block_positions.shape[0]
+        b, k_block = block_positions.shape
         x = d.block_embeddings(self.embed_tokens(last_token), self.embed_tokens.weight[self.mask_token_id], k_block)
         context = d.hidden_norm(d.fc(context_taps))  # (b, n, H)
-        ctx_rope = d.rope(context_positions, x.dtype)
-        block_rope = d.rope(block_positions, x.dtype)
+        ctx_rope = rope_for_heads(d.rope(context_positions, x.dtype))
+        block_rope = rope_for_heads(d.rope(block_positions, x.dtype))
         capacity = past[0].shape[2]
-        visible = torch.cat((torch.arange(capacity, device=x.device) < context_length,
-                             torch.ones(k_block, dtype=torch.bool, device=x.device)))
-        mask = visible.expand(k_block, -1)[None, None]  # (1, 1, K, cap + K): one row per query
+        visible = torch.cat((torch.arange(capacity, device=x.device)[None, :] < context_length,
+                             torch.ones_like(block_positions, dtype=torch.bool)), dim=1)  # (b, cap + K)
+        mask = visible[:, None, None, :].expand(-1, 1, k_block, -1)  # (b, 1, K, cap + K): one row per query
         present = []
         for i, layer in enumerate(d.layers):
             k_new, v_new = layer.context_kv(context, ctx_rope)  # (b, nkv, n, hd) each
-            k_ctx = past[2 * i].index_copy(2, context_positions, k_new.to(past[2 * i].dtype))
-            v_ctx = past[2 * i + 1].index_copy(2, context_positions, v_new.to(past[2 * i + 1].dtype))
+            k_ctx = write_cache(past[2 * i].clone(), context_positions, k_new)
+            v_ctx = write_cache(past[2 * i + 1].clone(), context_positions, v_new)
             x = layer(x, k_ctx, v_ctx, block_rope, mask)
             present += [k_ctx, v_ctx]
         head = self.lm_head.weight if self.draft_head is None else self.draft_head
@@ -143,31 +145,32 @@ class DrafterGraph(nn.Module):
 
 
 def _check_cache_axis(dim: int) -> None:
-    if dim != 2:  # the only index_copy in the graphs is the cache write along the sequence axis
-        raise NotImplementedError(f"index_copy along axis {dim} has no translation; only cache writes (axis 2)")
+    if dim != 2:  # the only scatter in the graphs is the cache write along the sequence axis
+        raise NotImplementedError(f"scatter along axis {dim} has no translation; only cache writes (axis 2)")
 
 
 def _kv_write_translation(opset: int):
-    """onnxscript translation of `aten.index_copy(cache, 2, positions, values)` for `opset`.
+    """onnxscript translation of `aten.scatter(cache, 2, index, values)` for `opset`: the cache write
+    of `models.layers.write_cache` with per-row positions, `index` = positions `(b, T)` expanded
+    to `(b, nkv, T, hd)`.
 
     Both forms write `values` `(b, nkv, T, hd)` into `cache` `(b, nkv, cap, hd)` along axis 2
     without transposing the cache (so a runtime may bind present and past to one buffer).
-    TensorScatter writes at `positions[0]` onward: positions must be contiguous.
+    TensorScatter writes row r at `positions[r, 0]` onward: positions must be contiguous per row.
     """
     if opset >= 24:
         from onnxscript.onnx_opset import opset24 as op24
 
-        def tensor_scatter_write(cache, dim: int, positions, values):
+        def tensor_scatter_write(cache, dim: int, index, values):
             _check_cache_axis(dim)
-            first = op24.Constant(value_ints=[0])
-            batch = op24.Slice(op24.Shape(values), first, op24.Constant(value_ints=[1]))  # (1,) = [b]
-            start = op24.Expand(op24.Slice(positions, first, op24.Constant(value_ints=[1])), batch)  # (b,)
+            zero = op24.Constant(value_int=0)
+            start = op24.Gather(op24.Gather(op24.Gather(index, zero, axis=1), zero, axis=1), zero, axis=1)  # (b,)
             return op24.TensorScatter(cache, values, start, axis=2)
 
         return tensor_scatter_write
     from onnxscript import opset18 as op18
 
-    def scatter_nd_write(cache, dim: int, positions, values):
+    def scatter_nd_write(cache, dim: int, index, values):
         shape = op18.Shape(values)  # [b, nkv, T, hd]
         _check_cache_axis(dim)
         lead = op18.Slice(shape, op18.Constant(value_ints=[0]), op18.Constant(value_ints=[3]))  # [b, nkv, T]
@@ -177,7 +180,8 @@ def _kv_write_translation(opset: int):
         heads = op18.Range(zero, op18.Gather(shape, 1), one)
         b = op18.Expand(op18.Reshape(batch, op18.Constant(value_ints=[-1, 1, 1, 1])), index_shape)
         h = op18.Expand(op18.Reshape(heads, op18.Constant(value_ints=[1, -1, 1, 1])), index_shape)
-        t = op18.Expand(op18.Reshape(positions, op18.Constant(value_ints=[1, 1, -1, 1])), index_shape)
+        t = op18.Slice(index, op18.Constant(value_ints=[0]), op18.Constant(value_ints=[1]),
+                       op18.Constant(value_ints=[3]))  # (b, nkv, T, 1) positions
         return op18.ScatterND(cache, op18.Concat(b, h, t, axis=-1), values)  # indices (b, nkv, T, 3)
 
     return scatter_nd_write
@@ -205,7 +209,7 @@ def _export(module: nn.Module, args: tuple, spec: GraphSpec, dynamic_shapes: tup
         program = torch.onnx.export(
             module.eval(), args, dynamo=True, opset_version=opset, dynamic_shapes=dynamic_shapes,
             input_names=list(spec.inputs), output_names=list(spec.outputs), verbose=False,
-            custom_translation_table={torch.ops.aten.index_copy.default: _kv_write_translation(opset)},
+            custom_translation_table={torch.ops.aten.scatter.src: _kv_write_translation(opset)},
         )
     program.save(str(path), external_data=external_data)
     return path
@@ -246,9 +250,11 @@ def export_target(target: Decoder, tap_layers: tuple[int, ...], path: Path, limi
     batch, query, capacity = 2, 3, min(8, limits.max_seq_len)  # >1 so export keeps them symbolic
     past = tuple(torch.zeros(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype)
                  for _ in spec.past_names)
-    args = (torch.zeros(batch, query, dtype=torch.long), torch.arange(query), torch.arange(2), *past)
+    positions = torch.arange(query).expand(batch, query).contiguous()
+    args = (torch.zeros(batch, query, dtype=torch.long), positions, torch.arange(2), *past)
     cache_dims = tuple({0: dims["batch"], 2: dims["capacity"]} for _ in past)
-    dynamic = ({0: dims["batch"], 1: dims["query"]}, {0: dims["query"]}, {0: dims["rows"]}, cache_dims)
+    rows = {0: dims["batch"], 1: dims["query"]}
+    dynamic = (rows, rows, {0: dims["rows"]}, cache_dims)
     _export(TargetGraph(target, tap_layers), args, spec, dynamic, path, opset, external_data)
     return spec
 
@@ -267,11 +273,15 @@ def export_drafter(target: Decoder, drafter: DFlashDrafter, path: Path, limits: 
     taps_width = len(drafter.config.target_layer_ids) * c.hidden_size
     past = tuple(torch.zeros(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype)
                  for _ in spec.past_names)
-    args = (torch.zeros(batch, 1, dtype=torch.long), torch.arange(context, context + block),
-            torch.zeros(batch, context, taps_width, dtype=dtype), torch.arange(context),
-            torch.tensor([context]), *past)
+    def rows(values: torch.Tensor) -> torch.Tensor:
+        return values.expand(batch, -1).contiguous()
+
+    args = (torch.zeros(batch, 1, dtype=torch.long), rows(torch.arange(context, context + block)),
+            torch.zeros(batch, context, taps_width, dtype=dtype), rows(torch.arange(context)),
+            rows(torch.tensor([context])), *past)
     cache_dims = tuple({0: dims["batch"], 2: dims["capacity"]} for _ in past)
-    dynamic = ({0: dims["batch"]}, {0: dims["block"]}, {0: dims["batch"], 1: dims["context"]},
-               {0: dims["context"]}, {}, cache_dims)
+    per_row = {0: dims["batch"]}
+    dynamic = (per_row, {**per_row, 1: dims["block"]}, {**per_row, 1: dims["context"]},
+               {**per_row, 1: dims["context"]}, per_row, cache_dims)
     _export(DrafterGraph(target, drafter), args, spec, dynamic, path, opset, external_data)
     return spec

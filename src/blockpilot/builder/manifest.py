@@ -26,7 +26,10 @@ from blockpilot.files import file_sha256
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "blockpilot-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: per-row positions (`positions` `(b, T)`, drafter `block_positions` / `context_positions` `(b, n)`,
+`context_length` `(b, 1)`), so that one call can carry requests at different lengths; 1 had one row of
+positions for the whole batch."""
 DTYPES = ("fp32", "fp16", "bf16")
 PREFILL = "prefill"
 
@@ -108,6 +111,7 @@ class Manifest:
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # where target/drafter were built from
     files: dict[str, str] = dataclasses.field(default_factory=dict)  # relative path -> SHA-256
+    max_batch: int = 1  # most rows (requests) one graph call may carry
     format_version: int = FORMAT_VERSION
 
     @property
@@ -177,6 +181,9 @@ def read_manifest(engine_dir: Path | str, verify_files: bool = True) -> Manifest
     if version > FORMAT_VERSION:
         raise UserError(f"{path} has format version {version}, newer than this BlockPilot reads "
                         f"({FORMAT_VERSION}); upgrade blockpilot or {rebuild}")
+    if version < FORMAT_VERSION:
+        raise UserError(f"{path} has format version {version}, from an older BlockPilot whose graphs this one cannot "
+                        f"run (it reads {FORMAT_VERSION}); {rebuild}")
     try:
         manifest = Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError) as exc:

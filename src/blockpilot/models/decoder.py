@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from blockpilot.models.config import DecoderConfig
-from blockpilot.models.layers import MLP, Attention, RMSNorm, RotaryTable, write_cache
+from blockpilot.models.layers import MLP, Attention, RMSNorm, RotaryTable, rope_for_heads, write_cache
 
 
 @dataclasses.dataclass
@@ -48,10 +48,14 @@ class DecoderOutput:
 
 
 def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """`(1, 1, T, kv_len)` bool: the query at `positions[i]` sees every key at index <= it.
+    """`(1, 1, T, kv_len)` bool for `(T,)` positions, `(B, 1, T, kv_len)` for `(B, T)`: the query at
+    a position sees every key at a cache index <= it.
 
     4-D, so that the exported ONNX Attention gets the mask rank TensorRT's parser requires."""
-    return (torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None])[None, None]
+    keys = torch.arange(kv_len, device=positions.device)
+    if positions.dim() == 1:
+        return (keys[None, :] <= positions[:, None])[None, None]
+    return (keys[None, None, :] <= positions[:, :, None])[:, None]
 
 
 class DecoderLayer(nn.Module):
@@ -106,12 +110,13 @@ class Decoder(nn.Module):
         kv_len: int,
         tap_layers: tuple[int, ...] = (),
     ) -> DecoderOutput:
-        """Run `embeds` `(B, T, H)` at `positions` `(T,)`, attending over cache `[0, kv_len)`.
+        """Run `embeds` `(B, T, H)` at `positions` `(T,)` (or `(B, T)`, one row of positions per
+        sequence), attending over cache `[0, kv_len)`.
 
         K/V of the new tokens are written into `cache` at `positions` first, so `kv_len` must
         cover them. Tapped outputs are those of layers `tap_layers` (HF `hidden_states[l + 1]`).
         """
-        cos, sin = self.rope(positions, embeds.dtype)
+        cos, sin = rope_for_heads(self.rope(positions, embeds.dtype))
         mask = causal_mask(positions, kv_len)
         taps, x = [], embeds
         for i, layer in enumerate(self.layers):

@@ -27,7 +27,7 @@ from torch import nn
 from blockpilot.errors import UserError
 from blockpilot.models.config import DrafterConfig
 from blockpilot.models.decoder import KVCache
-from blockpilot.models.layers import MLP, Attention, RMSNorm, RotaryTable, write_cache
+from blockpilot.models.layers import MLP, Attention, RMSNorm, RotaryTable, rope_for_heads, write_cache
 
 
 class DrafterLayer(nn.Module):
@@ -107,27 +107,37 @@ class DFlashDrafter(nn.Module):
         ctx_positions: torch.Tensor,
         cache: KVCache,
         kv_len: int,
+        context_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draft hidden states `(B, T, H)` (after the final norm) for a block.
 
         Args:
             block_embeds: `(B, T, H)` target embeddings of the block tokens.
-            block_positions: `(T,)` absolute positions of the block.
+            block_positions: `(T,)` absolute positions of the block, or `(B, T)` one row per sequence.
             target_taps: `(B, n, taps * H)` target hidden states of newly committed positions
                 (n may be 0 when nothing new was committed).
-            ctx_positions: `(n,)` their absolute positions; their K/V are written into `cache`.
+            ctx_positions: `(n,)` (or `(B, n)`) their absolute positions; their K/V are written into `cache`.
             cache: the drafter's context cache.
             kv_len: number of cached context positions to attend over, new ones included.
+            context_lengths: `(B,)` per-sequence number of visible context positions (<= kv_len);
+                None: all `kv_len`. A batch whose sequences committed different numbers of tokens
+                passes the longest count in `target_taps` and masks the rest out here.
         """
         context = self.hidden_norm(self.fc(target_taps))
-        ctx_rope = self.rope(ctx_positions, block_embeds.dtype)
-        block_rope = self.rope(block_positions, block_embeds.dtype)
+        ctx_rope = rope_for_heads(self.rope(ctx_positions, block_embeds.dtype))
+        block_rope = rope_for_heads(self.rope(block_positions, block_embeds.dtype))
+        mask = None
+        if context_lengths is not None:
+            b, t = block_embeds.shape[:2]
+            visible = torch.arange(kv_len, device=block_embeds.device)[None, :] < context_lengths[:, None]  # (B, S)
+            visible = torch.cat((visible, visible.new_ones(b, t)), dim=1)
+            mask = visible[:, None, None, :].expand(b, 1, t, kv_len + t)
         x = block_embeds
         for i, layer in enumerate(self.layers):
             k_new, v_new = layer.context_kv(context, ctx_rope)
             k_ctx = write_cache(cache.k[i], ctx_positions, k_new)[:, :, :kv_len]
             v_ctx = write_cache(cache.v[i], ctx_positions, v_new)[:, :, :kv_len]
-            x = layer(x, k_ctx, v_ctx, block_rope)
+            x = layer(x, k_ctx, v_ctx, block_rope, mask)
         return self.norm(x)
 
 

@@ -139,8 +139,21 @@ class Attention(nn.Module):
 
 
 def write_cache(cache: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Write `values` `(B, nkv, T, hd)` into `cache` `(B, nkv, cap, hd)` at `positions` `(T,)`.
+    """Write `values` `(B, nkv, T, hd)` into `cache` `(B, nkv, cap, hd)` at `positions`.
 
-    In place, and the same tensor is returned so that exported graphs carry it as an output.
+    `positions` is `(T,)` (every row at the same positions) or `(B, T)` (each row at its own, as a
+    batch of requests at different lengths needs). In place, and the same tensor is returned so
+    that exported graphs carry it as an output.
     """
-    return cache.index_copy_(2, positions, values.to(cache.dtype))
+    values = values.to(cache.dtype)
+    if positions.dim() == 1:
+        return cache.index_copy_(2, positions, values)
+    index = positions[:, None, :, None].expand(-1, values.shape[1], -1, values.shape[3])  # (B, nkv, T, hd)
+    return cache.scatter_(2, index, values)
+
+
+def rope_for_heads(table: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables looked up at `(T,)` positions (returned as they are, `(T, hd)`) or at `(B, T)`
+    positions (`(B, T, hd)` -> `(B, 1, T, hd)`, so that they broadcast over the heads)."""
+    cos, sin = table
+    return (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos, sin)

@@ -43,29 +43,44 @@ class VerifyOutput:
     taps: torch.Tensor  # (B, K, tH)
 
 
+Starts = "int | torch.Tensor"
+"""A start position for every row: one int for all rows, or a `(B,)` int64 tensor, one per row."""
+
+
 class Backend(Protocol):
     name: str
     target_config: DecoderConfig
     drafter_config: DrafterConfig | None
     max_capacity: int  # largest cache a request may use (positions)
+    max_batch: int  # most rows one draft / verify call may carry
 
     def supports_block_size(self, block_size: int) -> bool: ...
 
     def new_state(self, batch: int, capacity: int) -> DecodeState: ...
 
+    def merge_states(self, states: list[DecodeState]) -> DecodeState:
+        """One state whose rows are the rows of `states` in order (capacity: the largest)."""
+        ...
+
+    def select_rows(self, state: DecodeState, rows: list[int]) -> DecodeState:
+        """A state holding only `rows` of `state`, in that order."""
+        ...
+
     def prefill(self, state: DecodeState, input_ids: torch.Tensor) -> PrefillOutput: ...
 
     def draft(
         self, state: DecodeState, last_tokens: torch.Tensor, new_taps: torch.Tensor,
-        ctx_start: int, block_start: int, block_size: int,
+        ctx_start: Starts, block_start: Starts, block_size: int, new_counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy draft tokens `(B, K - 1)` for block positions 1..K-1.
 
         `new_taps` `(B, n, tH)` are the target hidden states of positions `ctx_start..ctx_start+n-1`,
-        committed since the last call; `last_tokens` `(B,)` sits at `block_start`."""
+        committed since the last call; `last_tokens` `(B,)` sits at `block_start`. When rows
+        committed different numbers of tokens, `new_counts` `(B,)` says how many of the `n` are
+        real for each row (the rest are written past its context, masked out, overwritten later)."""
         ...
 
-    def verify(self, state: DecodeState, block_ids: torch.Tensor, start: int) -> VerifyOutput:
+    def verify(self, state: DecodeState, block_ids: torch.Tensor, start: Starts) -> VerifyOutput:
         """Target logits and taps of the K tokens `block_ids` `(B, K)` at positions `start..start+K-1`.
 
         Lossless speculation needs each row's result to be independent of K: a plain decoding step
@@ -75,10 +90,34 @@ class Backend(Protocol):
         ...
 
 
+def row_positions(start: Starts, count: int, batch: int, device="cpu") -> torch.Tensor:
+    """`(B, count)` int64 positions `start[b] .. start[b] + count - 1` of every row."""
+    offsets = torch.arange(count, device=device)
+    if isinstance(start, int):
+        return (start + offsets).expand(batch, count)
+    return start.to(device=device, dtype=torch.int64)[:, None] + offsets
+
+
+def last_position(start: Starts) -> int:
+    """The largest start over the rows."""
+    return start if isinstance(start, int) else int(start.max())
+
+
 def padded_block(block_ids: torch.Tensor, rows: int) -> torch.Tensor:
     """`block_ids` `(B, K)` extended to `(B, max(K, rows))` by repeating its last token."""
     k = block_ids.shape[1]
     return block_ids if k >= rows else torch.cat((block_ids, block_ids[:, -1:].expand(-1, rows - k)), dim=1)
+
+
+def merge_tensor_caches(caches: list[list[torch.Tensor]], seq_axis: int = 2) -> list[torch.Tensor]:
+    """Per-layer concatenation along the batch of caches `(B_i, nkv, cap_i, hd)`, each padded with
+    zeros to the largest capacity."""
+    capacity = max(c[0].shape[seq_axis] for c in caches)
+    merged = []
+    for layer in zip(*caches):
+        padded = [torch.nn.functional.pad(t, (0, 0, 0, capacity - t.shape[seq_axis])) for t in layer]
+        merged.append(torch.cat(padded, dim=0))
+    return merged
 
 
 class TorchBackend:
@@ -106,6 +145,7 @@ class TorchBackend:
         self.fixed_rows = self.max_block_size if fixed_shape else None
         self.pad_rows = (self.fixed_rows or 1) - 1  # cache positions padding rows may write past a block
         self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30) - self.pad_rows
+        self.max_batch = 1 << 16
         self.device = target.embed_tokens.weight.device
         self.dtype = target.embed_tokens.weight.dtype
         self.draft_head = drafter.draft_head_weight(target.lm_head.weight) if drafter is not None else None  # (N, H)
@@ -121,6 +161,23 @@ class TorchBackend:
         )
         return DecodeState(target_cache, drafter_cache, capacity)
 
+    def merge_states(self, states: list[DecodeState]) -> DecodeState:
+        def merge(caches: list[KVCache]) -> KVCache:
+            n = len(caches[0].k)
+            layers = merge_tensor_caches([c.k + c.v for c in caches])
+            return KVCache(k=layers[:n], v=layers[n:])
+
+        drafter = merge([s.drafter_cache for s in states]) if self.drafter is not None else None
+        return DecodeState(merge([s.target_cache for s in states]), drafter, max(s.capacity for s in states))
+
+    def select_rows(self, state: DecodeState, rows: list[int]) -> DecodeState:
+        index = torch.tensor(rows, device=self.device)
+
+        def select(cache: KVCache | None) -> KVCache | None:
+            return None if cache is None else KVCache(k=[t[index] for t in cache.k], v=[t[index] for t in cache.v])
+
+        return DecodeState(select(state.target_cache), select(state.drafter_cache), state.capacity)
+
     @torch.inference_mode()
     def prefill(self, state: DecodeState, input_ids: torch.Tensor) -> PrefillOutput:
         t = self.target
@@ -131,30 +188,42 @@ class TorchBackend:
         return PrefillOutput(last_logits=t.lm_head(out.hidden[:, -1]), taps=taps, hidden=out.hidden)
 
     @torch.inference_mode()
-    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None):
         t, d = self.target, self.drafter
-        n = new_taps.shape[1]
+        b, n = new_taps.shape[:2]
         block = d.block_embeddings(
             t.embed_tokens(last_tokens[:, None]), t.embed_tokens.weight[d.config.mask_token_id], block_size
         )
-        hidden = d(
-            block,
-            torch.arange(block_start, block_start + block_size, device=self.device),
-            new_taps,
-            torch.arange(ctx_start, ctx_start + n, device=self.device),
-            state.drafter_cache,
-            kv_len=ctx_start + n,
-        )
+        per_row = not isinstance(ctx_start, int) or new_counts is not None
+        if per_row:
+            block_pos = row_positions(block_start, block_size, b, self.device)
+            ctx_pos = row_positions(ctx_start, n, b, self.device)
+            counts = new_counts if new_counts is not None else torch.full((b,), n)
+            lengths = row_positions(ctx_start, 1, b)[:, 0] + counts  # (B,)
+            hidden = d(block, block_pos, new_taps, ctx_pos, state.drafter_cache, kv_len=last_position(ctx_start) + n,
+                       context_lengths=lengths.to(self.device))
+        else:
+            hidden = d(
+                block,
+                torch.arange(block_start, block_start + block_size, device=self.device),
+                new_taps,
+                torch.arange(ctx_start, ctx_start + n, device=self.device),
+                state.drafter_cache,
+                kv_len=ctx_start + n,
+            )
         return greedy_draft_tokens(hidden[:, 1:], self.draft_head, d.draft_vocab_ids)  # (B, K - 1) target ids
 
     @torch.inference_mode()
     def verify(self, state, block_ids, start):
         t = self.target
-        k = block_ids.shape[1]
+        b, k = block_ids.shape
         ids = padded_block(block_ids, self.fixed_rows or k)
         rows = ids.shape[1]
-        kv_len = state.target_cache.capacity if self.fixed_rows else start + k
-        positions = torch.arange(start, start + rows, device=self.device)
+        kv_len = state.target_cache.capacity if self.fixed_rows else last_position(start) + k
+        if isinstance(start, int):
+            positions = torch.arange(start, start + rows, device=self.device)
+        else:
+            positions = row_positions(start, rows, b, self.device)
         out = t(t.embed_tokens(ids), positions, state.target_cache, kv_len, self.tap_layers)
         hidden = out.hidden[:, :k]
         taps = out.taps[:, :k] if out.taps is not None else hidden[:, :, :0]

@@ -18,7 +18,8 @@ import torch
 from blockpilot.builder.manifest import GraphEntry, Manifest
 from blockpilot.errors import UserError
 from blockpilot.models.config import DecoderConfig, DrafterConfig
-from blockpilot.runtime.backend import DecodeState, PrefillOutput, VerifyOutput, padded_block
+from blockpilot.runtime.backend import (DecodeState, PrefillOutput, VerifyOutput, merge_tensor_caches, padded_block,
+                                        row_positions)
 
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -105,6 +106,7 @@ class OnnxBackend:
         self.target, self.drafter = target, drafter
         self.target_config, self.drafter_config = target_config, drafter_config
         self.max_capacity = manifest.max_seq_len - (self.min_rows - 1)
+        self.max_batch = manifest.max_batch
         self.float_type = numpy_float_type(manifest.dtype)
 
     @classmethod
@@ -136,8 +138,22 @@ class OnnxBackend:
             capacity=capacity,
         )
 
-    def _run_target(self, state: DecodeState, ids: np.ndarray, start: int, logits_index: np.ndarray) -> dict:
-        positions = np.arange(start, start + ids.shape[1], dtype=np.int64)
+    def merge_states(self, states: list[DecodeState]) -> DecodeState:
+        def merge(caches: list[list]) -> list:
+            tensors = [[torch.from_numpy(v.numpy()) for v in cache] for cache in caches]
+            return [_ortvalue(t.numpy()) for t in merge_tensor_caches(tensors)]
+
+        return DecodeState(merge([s.target_cache for s in states]), merge([s.drafter_cache for s in states]),
+                           max(s.capacity for s in states))
+
+    def select_rows(self, state: DecodeState, rows: list[int]) -> DecodeState:
+        def select(cache: list) -> list:
+            return [_ortvalue(np.ascontiguousarray(v.numpy()[rows])) for v in cache]
+
+        return DecodeState(select(state.target_cache), select(state.drafter_cache), state.capacity)
+
+    def _run_target(self, state: DecodeState, ids: np.ndarray, start, logits_index: np.ndarray) -> dict:
+        positions = row_positions(start, ids.shape[1], ids.shape[0]).numpy()
         return self.target.run({"input_ids": ids.astype(np.int64), "positions": positions,
                                 "logits_index": logits_index.astype(np.int64)}, state.target_cache)
 
@@ -147,16 +163,18 @@ class OnnxBackend:
         return PrefillOutput(last_logits=torch.from_numpy(out["logits"][:, 0]), taps=torch.from_numpy(out["taps"]),
                              hidden=torch.from_numpy(out["hidden"]))
 
-    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
-        n = new_taps.shape[1]
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None):
+        b, n = new_taps.shape[:2]
         if n == 0:
             raise ValueError("the drafter graph needs at least one new context position per call")
+        counts = new_counts if new_counts is not None else torch.full((b,), n)
+        lengths = row_positions(ctx_start, 1, b)[:, 0] + counts  # (B,)
         out = self.drafter.run({
             "last_token": last_tokens.cpu().numpy().astype(np.int64)[:, None],
-            "block_positions": np.arange(block_start, block_start + block_size, dtype=np.int64),
+            "block_positions": row_positions(block_start, block_size, b).numpy(),
             "context_taps": new_taps.cpu().numpy().astype(self.float_type),
-            "context_positions": np.arange(ctx_start, ctx_start + n, dtype=np.int64),
-            "context_length": np.array([ctx_start + n], dtype=np.int64),
+            "context_positions": row_positions(ctx_start, n, b).numpy(),
+            "context_length": lengths[:, None].numpy().astype(np.int64),
         }, state.drafter_cache)
         return torch.from_numpy(out["draft_ids"])
 
@@ -165,3 +183,9 @@ class OnnxBackend:
         ids = padded_block(block_ids, self.min_rows)
         out = self._run_target(state, ids.cpu().numpy(), start, np.arange(ids.shape[1]))
         return VerifyOutput(logits=torch.from_numpy(out["logits"][:, :k]), taps=torch.from_numpy(out["taps"][:, :k]))
+
+
+def _ortvalue(array: np.ndarray):
+    import onnxruntime as ort
+
+    return ort.OrtValue.ortvalue_from_numpy(array)

@@ -1,7 +1,7 @@
 """`Runner`: speculative generation with a TensorRT-LLM-shaped `generate`.
 
-The decode loop is the same for every backend and every block size; block size 1 is plain
-autoregressive decoding (no drafting, one-token verify steps). Per request:
+The decode loop (`runtime.batching`) is the same for every backend and every block size; block
+size 1 is plain autoregressive decoding (no drafting, one-token verify steps). Per request:
 
     prefill -> first token -> [choose block size] -> repeat {draft K-1 tokens, verify K tokens,
     accept the longest matching prefix + 1 bonus token} until max_new_tokens or end_id.
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from blockpilot.errors import UserError
-from blockpilot.runtime.backend import Backend, DecodeState
-from blockpilot.runtime.sampling import SamplingParams, accepted_draft_counts, committed_tokens, sample_tokens
+from blockpilot.runtime.backend import Backend
+from blockpilot.runtime.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -165,27 +165,39 @@ class Runner:
                  end_id: int | None = None, pad_id: int | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, random_seed: int | None = None,
                  block_size: int | str | None = None, streaming: bool = False,
-                 return_dict: bool = False):
+                 return_dict: bool = False, max_batch: int | None = None):
         """Generate for each prompt of `batch_input_ids` (1-D int tensors).
 
         Returns `output_ids` `(batch, 1, max_input_len + max_new_tokens)` int32 (prompt followed by
         generated tokens, padded with `end_id`, else `pad_id`, else 0), or with `return_dict=True`
         a dict adding `sequence_lengths`, `accept_lengths` (per request, per step), `tau`,
         `block_sizes`, `block_size_probs` and `timings`. With `streaming=True` returns an iterator
-        that yields the same type after every committed step. Requests run one after another.
+        that yields the same type after every step.
+
+        The requests decode together (`runtime.batching`): those that use the same block size share
+        every drafter and target call, up to `max_batch` at a time (default: all of them, within
+        what the backend takes; 1 runs them one after another). Each request's output is what it
+        would be alone: at T=0 token for token, sampled from its own generator (seeded with
+        `random_seed + i` for request i).
         `block_size`: an int, "auto" (predictor), or None (auto when a predictor is loaded, else
         the drafter's training block size).
         """
+        from blockpilot.runtime.batching import BatchDecoder, GenerationRequest
+
         try:
-            params = SamplingParams(temperature, top_k, top_p)
+            SamplingParams(temperature, top_k, top_p)
         except ValueError as exc:
             raise UserError(str(exc)) from None
         end_id = self.end_id if end_id is None else end_id
-        prompts = self._check_inputs(batch_input_ids, max_new_tokens, block_size)
+        if not batch_input_ids:
+            raise UserError("batch_input_ids is empty; pass at least one prompt")
+        prompts = [self.check_prompt(ids, max_new_tokens, block_size, index=i) for i, ids in enumerate(batch_input_ids)]
         pad = end_id if end_id is not None else (pad_id if pad_id is not None else 0)
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(random_seed if random_seed is not None else torch.seed() & (2**63 - 1))
-        steps = self._run_batch(prompts, max_new_tokens, end_id, params, generator, block_size, pad)
+        base_seed = random_seed if random_seed is not None else torch.seed() & (2**62 - 1)
+        requests = [GenerationRequest(ids, max_new_tokens, temperature, top_k, top_p, base_seed + i, block_size, end_id)
+                    for i, ids in enumerate(prompts)]
+        decoder = BatchDecoder(self, max_batch=max_batch or len(prompts))
+        steps = self._run_batch(decoder, requests, max_new_tokens, pad)
         convert = (lambda g: g.to_dict()) if return_dict else (lambda g: g.output_ids())
         if streaming:
             return (convert(g) for g in steps)
@@ -196,29 +208,32 @@ class Runner:
 
     # ---------------------------------------------------------------- checks
 
-    def _check_inputs(self, batch_input_ids, max_new_tokens, block_size) -> list[list[int]]:
-        if not batch_input_ids:
-            raise UserError("batch_input_ids is empty; pass at least one prompt")
+    def check_prompt(self, ids, max_new_tokens: int, block_size, index: int = 0) -> list[int]:
+        """`ids` (a 1-D int tensor or list) as a list, checked against the vocabulary and the cache.
+
+        Raises:
+            UserError: empty prompt, ids outside the vocabulary, prompt + max_new_tokens + block
+                beyond the cache, max_new_tokens < 1, unsupported block size.
+        """
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
-        prompts = [torch.as_tensor(ids).reshape(-1).tolist() for ids in batch_input_ids]
+        prompt = torch.as_tensor(ids).reshape(-1).tolist()
         vocab = self.backend.target_config.vocab_size
-        for i, ids in enumerate(prompts):
-            if not ids:
-                raise UserError(f"prompt {i} is empty; give at least one token")
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise UserError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
-        largest = self._largest_block(block_size)
-        longest = max(len(p) for p in prompts)
-        if longest + max_new_tokens + largest > self.backend.max_capacity:
+        if not prompt:
+            raise UserError(f"prompt {index} is empty; give at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise UserError(f"prompt {index} has token ids outside the vocabulary [0, {vocab})")
+        largest = self.largest_block(block_size)
+        if len(prompt) + max_new_tokens + largest > self.backend.max_capacity:
             raise UserError(
-                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + block ({largest}) "
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) + block ({largest}) "
                 f"exceeds the cache capacity ({self.backend.max_capacity} positions); shorten the "
                 "prompt or lower max_new_tokens"
             )
-        return prompts
+        return prompt
 
-    def _largest_block(self, block_size) -> int:
+    def largest_block(self, block_size) -> int:
+        """The largest block a request with `block_size` (int, "auto" or None) may run."""
         if block_size is None or block_size == "auto":
             candidates = self.policy.candidates if self.policy is not None else ()
             return max((self.default_block_size, *candidates))
@@ -235,13 +250,19 @@ class Runner:
 
     # ---------------------------------------------------------------- the loop
 
-    def _run_batch(self, prompts, max_new_tokens, end_id, params, generator, block_size, pad):
-        result = GenerationResult([RequestResult(input_ids=ids) for ids in prompts], max_new_tokens, pad)
-        for request in result.requests:  # filled in place, one request after another
-            for _ in self._decode(request, max_new_tokens, end_id, params, generator, block_size):
-                yield result
+    def _run_batch(self, decoder, requests, max_new_tokens, pad):
+        result = GenerationResult([RequestResult(input_ids=r.input_ids) for r in requests], max_new_tokens, pad)
+        waiting = list(zip(requests, result.requests))
+        while waiting or len(decoder):
+            while waiting and len(decoder) < decoder.max_batch:
+                request, filled = waiting.pop(0)
+                decoder.add(request, result=filled)
+            decoder.step()
+            yield result
 
-    def _choose_block_size(self, request: RequestResult, block_size, prefill, temperature: float) -> int:
+    def choose_block_size(self, request: RequestResult, block_size, prefill, temperature: float) -> int:
+        """The block size of a request: `block_size` if an int, else the predictor's choice (timed
+        into `request.predictor_s`), else the default."""
         if isinstance(block_size, int):
             return block_size
         if self.policy is None:
@@ -254,49 +275,8 @@ class Runner:
         request.block_size_prob = choice.probability
         return choice.block_size
 
-    def _decode(self, request: RequestResult, max_new_tokens: int, end_id: int | None,
-                params: SamplingParams, generator: torch.Generator, block_size) -> Iterator[None]:
-        """Decode one request into `request`, yielding after every committed step."""
-        be, clock = self.backend, self.clock
-        n_prompt = len(request.input_ids)
-        t0 = clock()
-        state_capacity = n_prompt + max_new_tokens + self._largest_block(block_size)
-        state: DecodeState = be.new_state(1, state_capacity)
-        prefill = be.prefill(state, torch.tensor([request.input_ids], device=_device_of(be)))
-        last = sample_tokens(prefill.last_logits, params, generator)  # (1,)
-        request.prefill_s = clock() - t0
-        request.block_size = k = self._choose_block_size(request, block_size, prefill, params.temperature)
-        if self._commit(request, [int(last)], max_new_tokens, end_id):
-            yield
-            return
-        yield
-        pending_taps, ctx_start, pos = prefill.taps, 0, n_prompt
-        while True:
-            t0 = clock()
-            if k > 1:
-                draft = be.draft(state, last, pending_taps, ctx_start, pos, k)  # (1, k-1)
-                ctx_start += pending_taps.shape[1]
-            else:
-                draft = last.new_zeros((1, 0))
-            t1 = clock()
-            verify = be.verify(state, torch.cat((last[:, None], draft), dim=1), pos)
-            posterior = sample_tokens(verify.logits, params, generator)  # (1, k)
-            accepted = accepted_draft_counts(draft, posterior)  # (1,)
-            a = int(accepted[0])
-            tokens = committed_tokens(draft, posterior, accepted)[0, : a + 1].tolist()
-            request.draft_s += t1 - t0
-            request.verify_s += clock() - t1
-            request.accept_lengths.append(a + 1)
-            done = self._commit(request, tokens, max_new_tokens, end_id)
-            yield
-            if done:
-                return
-            pending_taps = verify.taps[:, : a + 1]
-            pos += a + 1
-            last = posterior[:, a]
-
     @staticmethod
-    def _commit(request: RequestResult, tokens: list[int], max_new_tokens: int, end_id) -> bool:
+    def commit(request: RequestResult, tokens: list[int], max_new_tokens: int, end_id) -> bool:
         """Append `tokens`, cut at `end_id` or the token budget; True when the request is done."""
         room = max_new_tokens - len(request.output_tokens)
         if end_id is not None and end_id in tokens[:room]:
@@ -305,10 +285,6 @@ class Runner:
             return True
         request.output_tokens += tokens[:room]
         return len(request.output_tokens) >= max_new_tokens
-
-
-def _device_of(backend) -> str:
-    return getattr(backend, "device", "cpu")
 
 
 def _read_eos_id(model_dir: Path) -> int | None:

@@ -19,7 +19,7 @@ import torch
 from blockpilot.builder.manifest import GraphEntry, Manifest
 from blockpilot.errors import UserError
 from blockpilot.models.config import DecoderConfig, DrafterConfig
-from blockpilot.runtime.backend import DecodeState, PrefillOutput, VerifyOutput
+from blockpilot.runtime.backend import DecodeState, PrefillOutput, VerifyOutput, row_positions
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -128,6 +128,7 @@ class TrtBackend:
         self.target, self.drafter = target, drafter
         self.target_config, self.drafter_config = target_config, drafter_config
         self.max_capacity = manifest.max_seq_len
+        self.max_batch = 1  # the engines' profiles pin batch 1
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[manifest.dtype]
         self.in_place = manifest.opset >= 24
@@ -166,10 +167,24 @@ class TrtBackend:
     def _positions(self, start: int, count: int) -> torch.Tensor:
         return torch.arange(start, start + count, dtype=torch.int64, device=self.device)
 
-    def _run_target(self, state, ids: torch.Tensor, start: int, logits_index: torch.Tensor, block_size):
+    def _row(self, start, count: int) -> torch.Tensor:
+        """`(1, count)` positions of the one row an engine call carries."""
+        return row_positions(start, count, 1).to(self.device).contiguous()
+
+    def merge_states(self, states: list[DecodeState]) -> DecodeState:
+        if len(states) != 1:
+            raise ValueError("TensorRT engines are built for batch 1 (max_batch = 1)")
+        return states[0]
+
+    def select_rows(self, state: DecodeState, rows: list[int]) -> DecodeState:
+        if rows != [0]:
+            raise ValueError("TensorRT engines are built for batch 1 (max_batch = 1)")
+        return state
+
+    def _run_target(self, state, ids: torch.Tensor, start, logits_index: torch.Tensor, block_size):
         profile = self.manifest.target.profile_index(block_size)
         inputs = {"input_ids": ids.to(self.device, torch.int64).contiguous(),
-                  "positions": self._positions(start, ids.shape[1]), "logits_index": logits_index}
+                  "positions": self._row(start, ids.shape[1]), "logits_index": logits_index}
         return self.target.run(profile, inputs, state.target_cache)
 
     def prefill(self, state: DecodeState, input_ids: torch.Tensor) -> PrefillOutput:
@@ -177,16 +192,18 @@ class TrtBackend:
         out = self._run_target(state, input_ids, 0, self._positions(n - 1, 1), None)
         return PrefillOutput(last_logits=out["logits"][:, 0], taps=out["taps"], hidden=out["hidden"])
 
-    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None):
         n = new_taps.shape[1]
+        count = n if new_counts is None else int(new_counts[0])
+        ctx_start = ctx_start if isinstance(ctx_start, int) else int(ctx_start[0])
         if n == 0:
             raise ValueError("the drafter engine needs at least one new context position per call")
         inputs = {
             "last_token": last_tokens.to(self.device, torch.int64).reshape(-1, 1).contiguous(),
-            "block_positions": self._positions(block_start, block_size),
+            "block_positions": self._row(block_start, block_size),
             "context_taps": new_taps.to(self.device, self.dtype).contiguous(),
-            "context_positions": self._positions(ctx_start, n),
-            "context_length": torch.tensor([ctx_start + n], dtype=torch.int64, device=self.device),
+            "context_positions": self._row(ctx_start, n),
+            "context_length": torch.tensor([[ctx_start + count]], dtype=torch.int64, device=self.device),
         }
         profile = self.manifest.drafter.profile_index(block_size)
         return self.drafter.run(profile, inputs, state.drafter_cache)["draft_ids"]
