@@ -358,3 +358,31 @@ def test_held_back_is_the_longest_tail_that_starts_a_stop_string():
     assert held_back("abc", ("END",)) == 0
     assert held_back("ab##", ("###", "#x")) == 2
     assert held_back("x", ()) == 0
+
+
+# ---------------------------------------------------------------- scripts/load_test.py
+
+
+def test_load_test_script_starts_a_server_and_reports_every_level_with_nothing_lost(dirs, tmp_path, capsys):
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
+    spec = importlib.util.spec_from_file_location("load_test", script)
+    load_test = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = load_test  # dataclasses look their module up
+    spec.loader.exec_module(load_test)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHATS[:3]))
+    out = tmp_path / "load.json"
+    code = load_test.main(["--serve-args", f"--target {dirs[0]} --drafter {dirs[1]} --max-batch 4",
+                           "--prompts", str(prompts), "--requests", "5", "--concurrency", "1,3",
+                           "--max-tokens", "16", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [level["concurrency"] for level in report["levels"]] == [1, 3]
+    for level in report["levels"]:
+        assert (level["requests"], level["lost"], level["wrong"]) == (5, 0, 0)
+        assert level["tokens_per_s"] > 0 and level["ttft_p50_s"] <= level["latency_p50_s"]
+        assert level["block_sizes"] == {"4": 5}
+    assert "| 3 | 5 | 0 | 0 |" in capsys.readouterr().out
+    assert load_test.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
