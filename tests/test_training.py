@@ -5,6 +5,7 @@ import argparse
 import pytest
 import torch
 
+from blockpilot.errors import UserError
 from blockpilot.models.checkpoint import load_drafter, load_target
 from blockpilot.models.decoder import KVCache
 from blockpilot.runtime.backend import TorchBackend
@@ -57,7 +58,7 @@ def _args(tmp_path, answers, **kw):
                 answers=[answers], prompts=None, regenerate=0, gen_max_new_tokens=16, max_len=64,
                 time_budget=1.0, max_steps=30, sequences_per_step=4, anchors=8, lr=3e-3, gamma=None,
                 valid=2, eval_every=100.0, checkpoint_every=100.0, work_dir=tmp_path / "work",
-                resume=False, no_autocast=True, seed=0, device="cpu", gen_batch_size=4)
+                resume=False, no_autocast=True, seed=0, device="cpu", gen_batch_size=4, init_from=None)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -182,3 +183,33 @@ def test_answer_command_rejects_bad_input_with_one_line(tmp_path, tiny_corpus, c
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_fine_tuning_starts_from_the_given_drafter_and_keeps_its_draft_vocabulary(tmp_path, tiny_corpus):
+    """--init-from: step 0 is the given drafter (its held-out tau is the first log entry), the written
+    drafter keeps its draft vocabulary, and gzip-compressed answer files are read as they are."""
+    import gzip
+    import json
+
+    from blockpilot.training.pipeline import train_drafter_from_args
+
+    target_dir, answers = tiny_corpus
+    train_drafter_from_args(_args(tmp_path, answers, target=target_dir, max_steps=20, lr=1e-2))
+    base = load_drafter(tmp_path / "drafter")
+    base.set_draft_vocabulary(torch.arange(0, 92))  # every id of the word-level tokenizer
+    from blockpilot.models.checkpoint import save_drafter
+
+    save_drafter(base, tmp_path / "base")
+    packed = tmp_path / "answers.jsonl.gz"
+    packed.write_bytes(gzip.compress(answers.read_bytes()))
+    train_drafter_from_args(_args(tmp_path, packed, target=target_dir, max_steps=10, init_from=tmp_path / "base",
+                                  out=tmp_path / "tuned", work_dir=tmp_path / "work-tuned"))
+    tuned = load_drafter(tmp_path / "tuned")
+    assert torch.equal(tuned.draft_vocab_ids, torch.arange(0, 92))
+    log = json.loads((tmp_path / "tuned" / "training_log.json").read_text())
+    assert log["log"][0]["step"] == 0 and log["steps"] == 10
+    first = json.loads((tmp_path / "drafter" / "training_log.json").read_text())["log"][-1]
+    assert log["log"][0]["sim_tau"] > 1.0 and log["log"][0]["sim_tau"] == pytest.approx(first["sim_tau"], abs=0.1)
+    with pytest.raises(UserError, match="has block-size 4, not 6"):
+        train_drafter_from_args(_args(tmp_path, packed, target=target_dir, max_steps=2, init_from=tmp_path / "base",
+                                      block_size=6, out=tmp_path / "x", work_dir=tmp_path / "work-x"))

@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--taps", type=int, default=5, help="number of tapped target layers")
     p.add_argument("--mask-token-id", type=int, help="mask token id (default: the embedded model's unused special token)")
     p.add_argument("--answers", type=Path, action="append", default=[],
-                   help="JSONL of {prompt, answer, finish} from the target (repeatable)")
+                   help="JSONL (.jsonl.gz too) of {prompt, answer, finish} from the target (repeatable)")
     p.add_argument("--prompts", help="prompts to answer with the target first: a JSONL file of {prompt}, or a "
                    "training set (sharegpt, stdlib-code)")
     p.add_argument("--regenerate", type=int, default=0, help="how many --prompts to answer (0: none)")
@@ -43,6 +43,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpoint-every", type=float, default=10.0, help="minutes between checkpoints")
     p.add_argument("--work-dir", type=Path, help="features cache + checkpoints (default: OUT.work)")
     p.add_argument("--resume", action="store_true", help="continue from the work dir's checkpoint")
+    p.add_argument("--init-from", type=Path, help="start from this drafter's weights (and draft vocabulary) instead of "
+                   "a random drafter: fine-tuning; its shape must match --block-size/--layers/--taps")
     p.add_argument("--no-autocast", action="store_true", help="train in fp32 instead of bf16 autocast")
     p.add_argument("--seed", type=int, default=0, help="random seed (anchors, split, initialisation)")
     p.set_defaults(run=run)

@@ -2,13 +2,14 @@
 
 A `Sequence` is the chat-formatted prompt followed by the target's answer, as token ids, with the
 index where the answer starts (loss is taken on answer tokens only). Answers either come from a
-JSONL file of `{"prompt", "answer", "finish"}` rows (what `blockpilot answer` writes, or
-`data/smollm2-answers-9831.jsonl.gz` unpacked) or are regenerated here with batched greedy generation.
+JSONL file of `{"prompt", "answer", "finish"}` rows (what `blockpilot answer` writes, or the
+compressed files under `data/` as they are) or are regenerated here with batched greedy generation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import time
 from pathlib import Path
@@ -28,11 +29,13 @@ class Sequence:
 
 
 def read_answer_rows(path: Path) -> list[dict]:
-    """Rows of an answers JSONL file; each needs `prompt` and `answer`."""
+    """Rows of an answers JSONL file (gzip-compressed when its name ends in `.gz`); each needs
+    `prompt` and `answer`."""
+    path = Path(path)
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()).splitlines()
     except OSError as exc:
-        raise UserError(f"cannot read answers file {path} ({exc.strerror}); check the path") from None
+        raise UserError(f"cannot read answers file {path} ({exc.strerror or exc}); check the path") from None
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

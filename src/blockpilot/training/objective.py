@@ -7,7 +7,15 @@ blocks are invisible. Slot `k` (1..B-1) predicts the token at `anchor + k` (same
 shifted), weighted by `exp(-(k - 1) / gamma)`; slot 0 has no loss. This mirrors inference exactly:
 there the block starts at the first uncommitted position and the context ends just before it.
 
-Shapes: `N` sequences, `L` padded length, `A` anchors per sequence, `B` block size, `H` hidden.
+The loss ranges over the drafter's draft vocabulary when it has one (`draft_vocab_ids`, the only
+ids it can ever draft): logits are those `N_v` rows of the target's `lm_head` and each label is
+remapped to its row. A slot whose label lies outside the draft vocabulary has weight 0 (it is
+dropped from the loss and its normaliser; its draft is counted wrong, as at inference, where that
+token can never be drafted). Logits exist only for slots of positive weight, and the cross-entropy
+and its gradient are computed chunk by chunk without keeping a `(slots, N_v)` tensor for backward.
+
+Shapes: `N` sequences, `L` padded length, `A` anchors per sequence, `B` block size, `H` hidden,
+`V` target vocabulary, `N_v` draft vocabulary (V without one).
 """
 
 from __future__ import annotations
@@ -51,27 +59,48 @@ def block_forward(drafter: DFlashDrafter, embed_weight: torch.Tensor, batch: Bat
                   block_size: int | None = None) -> torch.Tensor:
     """Drafter hidden states `(N * A, B, H)` of every anchored block, after the final norm.
 
-    `block_size` defaults to the drafter's training block size."""
+    The `A` blocks of a sequence run as one row of `A * B` queries over that sequence's context K/V
+    (computed once, not once per block) and all block keys, with a mask that shows each block only
+    its own keys and the context before its anchor. `block_size` defaults to the training block size."""
     n, a = batch.anchors.shape
     bsz = block_size or drafter.config.block_size
-    seq_len, dev = batch.ids.shape[1], batch.ids.device
-    offsets = torch.arange(bsz, device=dev)
-    block_pos = (batch.anchors[..., None] + offsets).reshape(n * a, bsz)  # (NA, B)
+    dev = batch.ids.device
+    block_pos = (batch.anchors[..., None] + torch.arange(bsz, device=dev)).reshape(n, a * bsz)  # (N, AB)
     first = batch.ids.gather(1, batch.anchors).reshape(n * a, 1)  # (NA, 1)
-    mask_id = drafter.config.mask_token_id
-    x = drafter.block_embeddings(F.embedding(first, embed_weight), embed_weight[mask_id], bsz)
-
-    context = drafter.hidden_norm(drafter.fc(batch.taps.to(x.dtype)))  # (N, L, H)
-    ctx_rope = drafter.rope(torch.arange(seq_len, device=dev), x.dtype)
-    cos, sin = drafter.rope(block_pos.clamp(max=drafter.rope.cos.shape[0] - 1), x.dtype)
-    block_rope = (cos[:, None], sin[:, None])  # (NA, 1, B, hd): per-block positions
-    ctx_visible = torch.arange(seq_len, device=dev)[None, :] < batch.anchors.reshape(n * a, 1)  # (NA, L)
-    mask = torch.cat((ctx_visible, torch.ones(n * a, bsz, dtype=torch.bool, device=dev)), dim=1)
-    mask = mask[:, None, None, :].expand(n * a, 1, bsz, seq_len + bsz)
+    x = drafter.block_embeddings(F.embedding(first, embed_weight), embed_weight[drafter.config.mask_token_id], bsz)
+    x = x.reshape(n, a * bsz, -1)  # (N, AB, H)
+    context = _context(drafter, batch)  # (N, L, H)
+    ctx_rope = drafter.rope(torch.arange(batch.ids.shape[1], device=dev), x.dtype)  # (L, hd) each
+    cos, sin = drafter.rope(block_pos.clamp(max=drafter.rope.cos.shape[0] - 1), x.dtype)  # (N, AB, hd)
+    block_rope = (cos[:, None], sin[:, None])  # (N, 1, AB, hd): broadcast over heads
+    mask = block_sparse_mask(batch.anchors, batch.ids.shape[1], bsz)  # (N, 1, AB, L + AB)
     for layer in drafter.layers:
         k_ctx, v_ctx = layer.context_kv(context, ctx_rope)  # (N, nkv, L, hd)
-        x = layer(x, k_ctx.repeat_interleave(a, 0), v_ctx.repeat_interleave(a, 0), block_rope, mask)
-    return drafter.norm(x)
+        x = layer(x, k_ctx, v_ctx, block_rope, mask)
+    return drafter.norm(x).reshape(n * a, bsz, -1)
+
+
+def _context(drafter: DFlashDrafter, batch: Batch) -> torch.Tensor:
+    """`(N, L, H)` projected context; `fc` runs on the real positions only (padding stays zero)."""
+    n, seq_len = batch.ids.shape
+    real = torch.arange(seq_len, device=batch.ids.device)[None, :] < batch.lengths[:, None]  # (N, L)
+    taps = batch.taps[real]  # (sum L_i, tH)
+    if not torch.is_autocast_enabled(taps.device.type):  # autocast multiplies bf16 taps as they are
+        taps = taps.to(drafter.fc.weight.dtype)
+    projected = drafter.hidden_norm(drafter.fc(taps))  # (sum L_i, H)
+    return projected.new_zeros(n, seq_len, projected.shape[-1]).masked_scatter(real[..., None], projected)
+
+
+def block_sparse_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """`(N, 1, A * B, L + A * B)` bool, True = visible: block `a`'s queries see context keys at
+    positions `< anchors[:, a]` and the `B` keys of block `a` (bidirectionally), nothing else."""
+    n, a = anchors.shape
+    dev = anchors.device
+    ctx = torch.arange(seq_len, device=dev)[None, None, :] < anchors[..., None]  # (N, A, L)
+    ctx = ctx.repeat_interleave(block_size, dim=1)  # (N, AB, L)
+    block_of = torch.arange(a * block_size, device=dev) // block_size  # (AB,)
+    own = (block_of[:, None] == block_of[None, :]).expand(n, -1, -1)  # (N, AB, AB)
+    return torch.cat((ctx, own), dim=2)[:, None]
 
 
 def block_labels(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,23 +112,99 @@ def block_labels(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Ten
     return labels.reshape(n * a, -1), valid.reshape(n * a, -1)
 
 
-def drafter_loss(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 batch: Batch, gamma: float) -> tuple[torch.Tensor, dict]:
-    """Weighted cross-entropy over slots 1..B-1 and per-slot accuracy statistics.
+@dataclasses.dataclass(frozen=True)
+class DraftHead:
+    """The frozen rows of the target's `lm_head` that the loss and the drafts range over."""
 
-    `embed_weight` and `lm_head_weight` are the target's, frozen (no gradient is taken for them).
+    weight: torch.Tensor  # (N_v, H), no gradient, in the dtype the loss multiplies in
+    vocab_ids: torch.Tensor | None  # (N_v,) target id of each row; None: the rows are all V ids
+    row_of: torch.Tensor | None  # (V,) row of each target id, -1 outside the draft vocabulary
+
+    @classmethod
+    def of(cls, drafter: DFlashDrafter, lm_head_weight: torch.Tensor, dtype: torch.dtype | None = None) -> "DraftHead":
+        """The drafter's draft-vocabulary rows of `lm_head_weight` `(V, H)` (all rows without one),
+        cast once to `dtype` (bf16 for autocast training; default: the weight's own)."""
+        weight = drafter.draft_head_weight(lm_head_weight).detach().to(dtype or lm_head_weight.dtype).contiguous()
+        ids = drafter.draft_vocab_ids
+        if ids is None:
+            return cls(weight, None, None)
+        row_of = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long, device=ids.device)
+        row_of[ids] = torch.arange(len(ids), device=ids.device)
+        return cls(weight, ids, row_of)
+
+    def rows(self, labels: torch.Tensor) -> torch.Tensor:
+        """Row of each target id in `labels` (any shape), -1 for ids outside the draft vocabulary."""
+        return labels if self.row_of is None else self.row_of[labels]
+
+
+LOSS_CHUNK_ROWS = 512
+"""Slots per chunk of the fused lm_head + cross-entropy (a `(512, N_v)` fp32 block at a time)."""
+
+
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """`sum_i w_i * CE(hidden_i @ weight.T, target_i)` and the argmax rows, chunk by chunk.
+
+    The gradient w.r.t. `hidden` is computed in the same pass (`(softmax - onehot) * w @ weight`),
+    so no logits are kept for backward; `weight` is frozen and gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, weights, chunk_rows):  # (M, H), (N_v, H), (M,), (M,), int
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        best = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(hidden) if need_grad else None
+        rows = min(chunk_rows, hidden.shape[0])  # one set of buffers for every chunk: no page faults
+        products = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=hidden.device)
+        buffer = torch.empty(rows, weight.shape[0], dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk_rows):
+            h, t, w = hidden[s:s + chunk_rows], targets[s:s + chunk_rows], weights[s:s + chunk_rows]
+            c = h.shape[0]
+            torch.mm(h.to(weight.dtype), weight.T, out=products[:c])
+            logits = buffer[:c].copy_(products[:c])  # (c, N_v) fp32
+            top, best[s:s + chunk_rows] = logits.max(dim=-1)  # (c,) each
+            picked = logits.gather(1, t[:, None])[:, 0] - top  # (c,) target logit - max
+            exps = logits.sub_(top[:, None]).exp_()  # in place: exp(logit - max)
+            sums = exps.sum(dim=-1)  # (c,)
+            total += ((sums.log() - picked) * w).sum()
+            if need_grad:
+                exps.mul_((w / sums)[:, None])  # w * softmax
+                exps[torch.arange(len(t), device=t.device), t] -= w
+                grad[s:s + chunk_rows] = (products[:c].copy_(exps) @ weight).to(grad.dtype)
+        ctx.mark_non_differentiable(best)
+        if need_grad:
+            ctx.save_for_backward(grad)
+        return total, best
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_best):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None, None
+
+
+def drafter_loss(drafter: DFlashDrafter, embed_weight: torch.Tensor, head: DraftHead, batches: Batch | list[Batch],
+                 gamma: float, chunk_rows: int = LOSS_CHUNK_ROWS) -> tuple[torch.Tensor, dict]:
+    """Weighted cross-entropy over slots 1..B-1 (draft vocabulary only) and per-slot accuracy.
+
+    `batches`: one batch, or several (sequences grouped by length, each padded only to its own
+    longest) whose blocks form one loss. `embed_weight` and `head` are the target's, frozen (no
+    gradient is taken for them). Returns the loss (weighted mean over slots of positive weight) and
+    `{"correct", "valid"}` `(NA, B-1)` bool over all blocks, `correct` meaning the greedy draft
+    (argmax over `head`'s rows) equals the label.
     """
     bsz = drafter.config.block_size
-    hidden = block_forward(drafter, embed_weight.detach(), batch)[:, 1:]  # (NA, B-1, H)
-    labels, valid = block_labels(batch, bsz)
-    logits = F.linear(hidden, lm_head_weight.detach())  # (NA, B-1, V)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    slot_weight = torch.exp(-torch.arange(bsz - 1, dtype=torch.float32, device=ce.device) / gamma)  # exp(-(k-1)/g)
-    w = slot_weight[None, :] * valid
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    with torch.no_grad():
-        correct = (logits.argmax(-1) == labels) & valid
-    return loss, {"correct": correct, "valid": valid}
+    batches = [batches] if isinstance(batches, Batch) else batches
+    hidden = torch.cat([block_forward(drafter, embed_weight.detach(), b)[:, 1:] for b in batches])  # (NA, B-1, H)
+    labels, valid = (torch.cat(parts) for parts in zip(*(block_labels(b, bsz) for b in batches)))
+    rows = head.rows(labels)  # (NA, B-1), -1 outside the draft vocabulary
+    slot_weight = torch.exp(-torch.arange(bsz - 1, dtype=torch.float32, device=labels.device) / gamma)  # exp(-(k-1)/g)
+    weight = slot_weight[None, :] * (valid & (rows >= 0))  # (NA, B-1)
+    picked = (weight > 0).flatten()
+    total, best = _ChunkedHeadCrossEntropy.apply(hidden.flatten(0, 1)[picked], head.weight, rows.flatten()[picked],
+                                                 weight.flatten()[picked], chunk_rows)
+    loss = total / weight.sum().clamp(min=1e-6)
+    correct = torch.zeros_like(picked)
+    correct[picked] = best == rows.flatten()[picked]
+    return loss, {"correct": correct.view_as(valid), "valid": valid}
 
 
 def simulated_tau(correct: torch.Tensor, valid: torch.Tensor) -> float:

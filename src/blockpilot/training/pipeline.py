@@ -13,7 +13,7 @@ import torch
 
 from blockpilot.devices import resolve_device
 from blockpilot.errors import UserError
-from blockpilot.models.checkpoint import load_target, save_drafter
+from blockpilot.models.checkpoint import load_drafter, load_target, save_drafter
 from blockpilot.models.config import DecoderConfig, DrafterConfig, check_drafter_fits_target, default_target_layer_ids
 from blockpilot.models.dflash import DFlashDrafter
 from blockpilot.text import load_tokenizer
@@ -87,15 +87,15 @@ def _features(args, prompts, target, tokenizer, target_dir: Path, work_dir: Path
 
 
 def train_drafter_from_args(args: argparse.Namespace) -> Path:
+    args.init_from = getattr(args, "init_from", None)  # namespaces built in code may predate the option
     prompts = _check_args(args)
     args.device = resolve_device(args.device)
     target_dir, mask_token_id = _resolve_target(args)
     if mask_token_id is None:
         raise UserError("--mask-token-id is required for this target: pick a special token it never uses")
     target = load_target(target_dir).to(args.device)
-    config = drafter_config_for(target.config, block_size=args.block_size, layers=args.layers,
-                                taps=args.taps, mask_token_id=mask_token_id)
-    check_drafter_fits_target(target.config, config, where="the requested drafter")
+    drafter = _initial_drafter(args, target.config, mask_token_id)
+    config = drafter.config
     work_dir = args.work_dir or args.out.with_name(args.out.name + ".work")
     work_dir.mkdir(parents=True, exist_ok=True)
     _check_resume_target(work_dir, target.config, args.resume)
@@ -104,8 +104,7 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed)).tolist()
     items = [(sequences[i], taps[i]) for i in order]
     data = TrainData(train=items[args.valid:], valid=items[: args.valid])
-    torch.manual_seed(args.seed)
-    drafter = DFlashDrafter(config).to(args.device)
+    drafter = drafter.to(args.device)
     train_config = TrainConfig(
         time_budget_s=args.time_budget * 60, max_steps=args.max_steps or MAX_STEPS_UNSET,
         sequences_per_step=args.sequences_per_step,
@@ -118,12 +117,37 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
     began = time.time()
     log = trainer.run()
     summary = {"steps": trainer.step, "train_seconds": round(trainer.elapsed, 1), "sequences": len(data.train),
+               "init_from": str(args.init_from) if args.init_from else None,
+               "answer_files": [str(path) for path in args.answers],
                "hardware": _hardware(args.device),
                "answer_tokens": sum(len(s.ids) - s.answer_start for s, _ in data.train),
                "config": dataclasses.asdict(train_config), "log": log, "wall_seconds_this_run": round(time.time() - began)}
     save_drafter(drafter.half(), args.out, extra_files={"training_log.json": json.dumps(summary, indent=1)})
     print(f"drafter written to {args.out} (steps {trainer.step}, simulated tau {log[-1].get('sim_tau')})")
     return args.out
+
+
+def _initial_drafter(args, target: DecoderConfig, mask_token_id: int) -> DFlashDrafter:
+    """A fresh drafter of the requested shape (seeded), or `--init-from`'s weights (and draft vocabulary)
+    to continue training from, checked against the target and the requested shape."""
+    if args.init_from is None:
+        config = drafter_config_for(target, block_size=args.block_size, layers=args.layers, taps=args.taps,
+                                    mask_token_id=mask_token_id)
+        check_drafter_fits_target(target, config, where="the requested drafter")
+        torch.manual_seed(args.seed)
+        return DFlashDrafter(config)
+    if not (Path(args.init_from) / "config.json").is_file():
+        raise UserError(f"--init-from {args.init_from}: no drafter there (no config.json); give a drafter directory")
+    drafter = load_drafter(args.init_from)
+    check_drafter_fits_target(target, drafter.config, where=f"--init-from {args.init_from}")
+    c = drafter.config
+    wanted = {"--block-size": (args.block_size, c.block_size), "--layers": (args.layers, c.layers.num_hidden_layers),
+              "--taps": (args.taps, len(c.target_layer_ids)), "--mask-token-id": (mask_token_id, c.mask_token_id)}
+    for flag, (asked, has) in wanted.items():
+        if asked != has:
+            raise UserError(f"--init-from {args.init_from} has {flag.removeprefix('--')} {has}, not {asked}; "
+                            f"pass {flag} {has} or start from scratch without --init-from")
+    return drafter
 
 
 def _check_resume_target(work_dir: Path, target: DecoderConfig, resume: bool) -> None:

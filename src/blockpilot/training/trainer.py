@@ -23,7 +23,7 @@ from blockpilot.models.checkpoint import load_drafter, save_drafter
 from blockpilot.models.decoder import Decoder
 from blockpilot.models.dflash import DFlashDrafter
 from blockpilot.training.data import Sequence
-from blockpilot.training.objective import Batch, drafter_loss, sample_anchors, simulated_tau
+from blockpilot.training.objective import Batch, DraftHead, drafter_loss, sample_anchors, simulated_tau
 
 
 MAX_STEPS_UNSET = 1_000_000
@@ -43,12 +43,20 @@ class TrainConfig:
     eval_every_s: float = 300.0
     checkpoint_every_s: float = 600.0
     autocast: bool = True
+    length_group: int = 4
+    """Sequences per length-sorted sub-batch of a step (see `make_length_groups`)."""
     seed: int = 0
     device: str = "cpu"
 
     def autocast_context(self):
         """bf16 autocast on the training device (disabled with `autocast=False`)."""
         return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.autocast)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the products: bf16 under autocast (AVX512-BF16 / AMX kernels where the CPU
+        has them, tensor cores on CUDA), else fp32."""
+        return torch.bfloat16 if self.autocast else torch.float32
 
 
 @dataclasses.dataclass
@@ -77,6 +85,14 @@ def make_batch(items: list[tuple[Sequence, torch.Tensor]], anchors: int, generat
     return Batch(ids, taps, lengths, anchor_pos, valid).to(device)
 
 
+def make_length_groups(items: list[tuple[Sequence, torch.Tensor]], anchors: int, generator: torch.Generator,
+                       device: str = "cpu", group_size: int = 4) -> list[Batch]:
+    """`items` sorted by length and cut into batches of `group_size`, each padded to its own longest:
+    a block's attention spans its batch's padded length, so similar lengths waste little."""
+    ordered = sorted(items, key=lambda item: len(item[0].ids))
+    return [make_batch(ordered[i:i + group_size], anchors, generator, device) for i in range(0, len(ordered), group_size)]
+
+
 def lr_factor(step: int, total: int, warmup_frac: float) -> float:
     warmup = max(1, int(total * warmup_frac))
     if step < warmup:
@@ -87,18 +103,30 @@ def lr_factor(step: int, total: int, warmup_frac: float) -> float:
 
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, target: Decoder, data: list[tuple[Sequence, torch.Tensor]],
-             config: TrainConfig) -> dict:
-    """Simulated tau and slot-1 accuracy on validation sequences (fixed anchors)."""
+             config: TrainConfig, head: DraftHead | None = None) -> dict:
+    """Simulated tau and slot-1 accuracy on validation sequences (fixed anchors), overall and per data
+    source (`sim_tau/<source>`) when there are several; drafts range over `head` (default: the
+    drafter's draft vocabulary of the target's lm_head)."""
+    head = head or DraftHead.of(drafter, target.lm_head.weight, config.compute_dtype)
     generator = torch.Generator().manual_seed(1234)
-    correct, valid = [], []
-    for start in range(0, len(data), config.sequences_per_step):
-        batch = make_batch(data[start:start + config.sequences_per_step], 32, generator, config.device)
-        with config.autocast_context():
-            _, stats = drafter_loss(drafter, target.embed_tokens.weight, target.lm_head.weight, batch, config.gamma)
-        correct.append(stats["correct"])
-        valid.append(stats["valid"])
+    sources = sorted({seq.source for seq, _ in data})
+    correct, valid, per_source = [], [], {}
+    for source in sources:
+        items = [item for item in data if item[0].source == source]
+        c_src, v_src = [], []
+        for start in range(0, len(items), config.sequences_per_step):
+            batches = make_length_groups(items[start:start + config.sequences_per_step], 32, generator, config.device,
+                                         config.length_group)
+            with config.autocast_context():
+                _, stats = drafter_loss(drafter, target.embed_tokens.weight, head, batches, config.gamma)
+            c_src.append(stats["correct"])
+            v_src.append(stats["valid"])
+        per_source[f"sim_tau/{source or 'unnamed'}"] = simulated_tau(torch.cat(c_src), torch.cat(v_src))
+        correct += c_src
+        valid += v_src
     c, v = torch.cat(correct), torch.cat(valid)
-    return {"sim_tau": simulated_tau(c, v), "slot1_acc": float(c[:, 0][v[:, 0]].float().mean())}
+    metrics = {"sim_tau": simulated_tau(c, v), "slot1_acc": float(c[:, 0][v[:, 0]].float().mean())}
+    return {**metrics, **per_source} if len(sources) > 1 else metrics
 
 
 class Trainer:
@@ -108,6 +136,7 @@ class Trainer:
         self.work_dir = work_dir
         for p in target.parameters():
             p.requires_grad_(False)
+        self.head = DraftHead.of(drafter, target.lm_head.weight, config.compute_dtype)  # gathered and cast once
         self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
         self.step, self.total_steps, self.elapsed = 0, config.max_steps, 0.0
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -145,12 +174,12 @@ class Trainer:
     def train_step(self) -> float:
         c = self.config
         picks = torch.randint(len(self.data.train), (c.sequences_per_step,), generator=self.generator).tolist()
-        batch = make_batch([self.data.train[i] for i in picks], c.anchors_per_sequence, self.generator, c.device)
+        batches = make_length_groups([self.data.train[i] for i in picks], c.anchors_per_sequence, self.generator,
+                                     c.device, c.length_group)
         for group in self.optimizer.param_groups:
             group["lr"] = c.lr * self.lr_factor()
         with c.autocast_context():
-            loss, _ = drafter_loss(self.drafter, self.target.embed_tokens.weight, self.target.lm_head.weight,
-                                   batch, c.gamma)
+            loss, _ = drafter_loss(self.drafter, self.target.embed_tokens.weight, self.head, batches, c.gamma)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.clip)
@@ -169,6 +198,8 @@ class Trainer:
     def run(self) -> list[dict]:
         """Train until the step count or the time budget is reached; returns the log."""
         c = self.config
+        if self.step == 0 and self.data.valid:
+            self._log_eval([])  # the starting point: a random drafter, or the one being fine-tuned
         began = time.perf_counter() - self.elapsed
         last_eval = last_ckpt = time.perf_counter()
         first_step = self.step
@@ -212,7 +243,7 @@ class Trainer:
 
     def _log_eval(self, losses: list[float]) -> None:
         self.drafter.eval()
-        metrics = evaluate(self.drafter, self.target, self.data.valid, self.config) if self.data.valid else {}
+        metrics = evaluate(self.drafter, self.target, self.data.valid, self.config, self.head) if self.data.valid else {}
         self.drafter.train()
         entry = {"step": self.step, "elapsed_s": round(self.elapsed, 1),
                  "train_loss": sum(losses) / len(losses) if losses else None, **metrics}

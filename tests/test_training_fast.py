@@ -1,0 +1,189 @@
+"""The fast CPU trainer: draft-vocabulary loss, fused chunked lm_head, length groups, exact resume."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockpilot.models.checkpoint import load_drafter, load_target
+from blockpilot.models.decoder import KVCache
+from blockpilot.training.objective import Batch, DraftHead, block_forward, block_labels, drafter_loss
+
+from fixtures import make_drafter, make_hf_target
+
+
+def _tiny(tmp_path, block_size=6):
+    target_dir = make_hf_target(tmp_path, "llama")
+    target = load_target(target_dir)
+    drafter = load_drafter(make_drafter(tmp_path, target_dir, block_size=block_size, layers=2))
+    return target, drafter
+
+
+def _batch(target, drafter, lengths=(30, 22), anchors=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(0, 97, (len(lengths), width), generator=gen)
+    with torch.no_grad():
+        taps = target(target.embed_tokens(ids), torch.arange(width),
+                      KVCache.allocate(target.config, len(lengths), width, torch.float32), width,
+                      drafter.config.target_layer_ids).taps
+    anchor_pos = torch.stack([torch.randperm(n - 6, generator=gen)[:anchors].sort().values + 4 for n in lengths])
+    valid = torch.ones(len(lengths), anchors, dtype=torch.bool)
+    valid[-1, -1] = False  # a padding anchor
+    return Batch(ids, taps, torch.tensor(lengths), anchor_pos, valid)
+
+
+def _reference_loss(drafter, target, batch, vocab_ids, gamma):
+    """Full-vocabulary logits restricted to `vocab_ids`, labels remapped to their column; slots whose
+    label is outside `vocab_ids` weigh 0; the weighted mean CE over the remaining slots."""
+    bsz = drafter.config.block_size
+    hidden = block_forward(drafter, target.embed_tokens.weight, batch)[:, 1:]
+    labels, valid = block_labels(batch, bsz)
+    logits = F.linear(hidden, target.lm_head.weight)[..., vocab_ids]  # (NA, B-1, N_v)
+    column = {int(t): j for j, t in enumerate(vocab_ids)}
+    inside = torch.tensor([[int(t) in column for t in row] for row in labels])
+    remapped = torch.tensor([[column.get(int(t), 0) for t in row] for row in labels])
+    ce = F.cross_entropy(logits.flatten(0, 1), remapped.flatten(), reduction="none").view_as(labels)
+    w = torch.exp(-torch.arange(bsz - 1, dtype=torch.float32) / gamma)[None, :] * (valid & inside)
+    correct = (vocab_ids[logits.argmax(-1)] == labels) & valid
+    return (ce * w).sum() / w.sum(), correct, valid, inside
+
+
+@pytest.mark.parametrize("chunk_rows", [512, 5])
+def test_draft_vocabulary_loss_equals_the_full_vocabulary_loss_restricted_to_its_ids(tmp_path, chunk_rows):
+    """Same logits restricted to the id subset, labels remapped, out-of-vocabulary slots weighted 0:
+    equal loss, equal gradients, equal per-slot correctness (whatever the chunking of the lm_head)."""
+    target, drafter = _tiny(tmp_path)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    vocab_ids = torch.arange(0, 97, 2)  # the even ids: about half of all labels fall outside
+    drafter.set_draft_vocabulary(vocab_ids)
+    batch = _batch(target, drafter)
+    head = DraftHead.of(drafter, target.lm_head.weight)
+
+    loss, stats = drafter_loss(drafter, target.embed_tokens.weight, head, batch, gamma=4.0, chunk_rows=chunk_rows)
+    grads = torch.autograd.grad(loss, list(drafter.parameters()))
+    ref, correct, valid, inside = _reference_loss(drafter, target, batch, vocab_ids, 4.0)
+    ref_grads = torch.autograd.grad(ref, list(drafter.parameters()))
+
+    assert 0 < int((valid & ~inside).sum()) and 0 < int((valid & inside).sum())  # both kinds of slot present
+    assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-4, atol=1e-6)
+    assert torch.equal(stats["valid"], valid) and torch.equal(stats["correct"], correct)
+    assert not bool(stats["correct"][~inside].any())  # an id outside the list can never be drafted
+
+
+def test_slots_whose_label_is_outside_the_draft_vocabulary_do_not_move_the_loss(tmp_path):
+    """Such slots weigh 0: a list covering none of the labels gives loss 0 and no gradient."""
+    target, drafter = _tiny(tmp_path)
+    batch = _batch(target, drafter)
+    labels, _ = block_labels(batch, drafter.config.block_size)
+    unused = sorted(set(range(97)) - set(labels.flatten().tolist()))
+    drafter.set_draft_vocabulary(torch.tensor(unused))
+    loss, stats = drafter_loss(drafter, target.embed_tokens.weight, DraftHead.of(drafter, target.lm_head.weight),
+                               batch, gamma=4.0)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and not bool(stats["correct"].any())
+    assert all(p.grad is None or float(p.grad.abs().max()) == 0.0 for p in drafter.parameters())
+
+
+def test_without_a_draft_vocabulary_the_loss_is_the_full_vocabulary_cross_entropy(tmp_path):
+    target, drafter = _tiny(tmp_path)
+    batch = _batch(target, drafter)
+    with torch.no_grad():
+        loss, _ = drafter_loss(drafter, target.embed_tokens.weight, DraftHead.of(drafter, target.lm_head.weight),
+                               batch, gamma=4.0, chunk_rows=7)
+        ref, *_ = _reference_loss(drafter, target, batch, torch.arange(97), 4.0)
+    assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_length_groups_give_the_loss_of_one_padded_batch(tmp_path):
+    """Sequences cut into length-sorted sub-batches (each padded to its own longest) train the same
+    blocks: the loss equals that of one batch padded to the longest sequence."""
+    from blockpilot.training.data import Sequence
+    from blockpilot.training.trainer import make_batch, make_length_groups
+
+    target, drafter = _tiny(tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    items = []
+    for n in (40, 12, 33, 18, 25):
+        ids = torch.randint(0, 97, (1, n), generator=gen)
+        with torch.no_grad():
+            taps = target(target.embed_tokens(ids), torch.arange(n), KVCache.allocate(target.config, 1, n, torch.float32),
+                          n, drafter.config.target_layer_ids).taps[0]
+        items.append((Sequence(tuple(ids[0].tolist()), 4), taps))
+    head = DraftHead.of(drafter, target.lm_head.weight)
+    ordered = sorted(items, key=lambda item: len(item[0].ids))
+    with torch.no_grad():
+        one, _ = drafter_loss(drafter, target.embed_tokens.weight, head,
+                              make_batch(ordered, 6, torch.Generator().manual_seed(0)), 4.0)
+        grouped, _ = drafter_loss(drafter, target.embed_tokens.weight, head,
+                                  make_length_groups(items, 6, torch.Generator().manual_seed(0), group_size=2), 4.0)
+    assert torch.allclose(one, grouped, rtol=1e-5)
+
+
+def _trainer(tmp_path, target, drafter_dir, work, max_steps=20):
+    from blockpilot.training.data import Sequence
+    from blockpilot.training.trainer import TrainConfig, TrainData, Trainer
+
+    gen = torch.Generator().manual_seed(5)
+    items = []
+    for n in (30, 24, 28, 20, 26, 22):
+        ids = torch.randint(0, 97, (n,), generator=gen)
+        taps = torch.randn(n, 2 * 32, generator=gen).to(torch.bfloat16)
+        items.append((Sequence(tuple(ids.tolist()), 5), taps))
+    torch.manual_seed(0)
+    config = TrainConfig(time_budget_s=1e9, max_steps=max_steps, sequences_per_step=3, anchors_per_sequence=4,
+                         lr=3e-3, autocast=False)
+    return Trainer(load_drafter(drafter_dir), target, TrainData(items, []), config, work)
+
+
+def test_a_resumed_run_continues_the_schedule_where_it_stopped(tmp_path):
+    """Stopped after 8 of 20 steps and resumed from its checkpoint, a run has the step count, the
+    learning rate at every later step and the final weights of a run that was never interrupted."""
+    target_dir = make_hf_target(tmp_path, "llama")
+    target = load_target(target_dir)
+    drafter_dir = make_drafter(tmp_path, target_dir, block_size=4, layers=1)
+    assert len(load_drafter(drafter_dir).config.target_layer_ids) == 2  # the taps `_trainer` makes: 2 x 32
+
+    def lrs(trainer, steps):
+        out = []
+        for _ in range(steps):
+            trainer.train_step()
+            out.append((trainer.step, trainer.optimizer.param_groups[0]["lr"]))
+        return out
+
+    straight = _trainer(tmp_path, target, drafter_dir, tmp_path / "straight")
+    expected = lrs(straight, 20)
+
+    first = _trainer(tmp_path, target, drafter_dir, tmp_path / "resumed")
+    before = lrs(first, 8)
+    first.save_checkpoint()
+    resumed = _trainer(tmp_path, target, drafter_dir, tmp_path / "resumed")
+    assert resumed.load_checkpoint()
+    assert (resumed.step, resumed.total_steps) == (8, 20)
+    after = lrs(resumed, 12)
+    assert before + after == expected
+    assert not math.isclose(expected[3][1], expected[15][1])  # the schedule does move over these steps
+    for name, value in straight.drafter.state_dict().items():
+        assert torch.allclose(value, resumed.drafter.state_dict()[name], atol=1e-6), name
+
+
+def test_a_resumed_budget_run_keeps_its_fitted_step_count(tmp_path):
+    """A run whose step count was fitted to its time budget resumes with that count, not the placeholder."""
+    from blockpilot.training.trainer import MAX_STEPS_UNSET
+
+    target_dir = make_hf_target(tmp_path, "llama")
+    target = load_target(target_dir)
+    drafter_dir = make_drafter(tmp_path, target_dir, block_size=4, layers=1)
+    first = _trainer(tmp_path, target, drafter_dir, tmp_path / "work", max_steps=MAX_STEPS_UNSET)
+    first.total_steps = 50  # as `_fit_schedule_to_budget` sets it
+    for _ in range(6):
+        first.train_step()
+    first.save_checkpoint()
+    resumed = _trainer(tmp_path, target, drafter_dir, tmp_path / "work", max_steps=MAX_STEPS_UNSET)
+    assert resumed.load_checkpoint()
+    assert (resumed.step, resumed.total_steps) == (6, 50)
+    assert resumed.lr_factor() == first.lr_factor()
