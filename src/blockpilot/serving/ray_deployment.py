@@ -3,8 +3,9 @@
 Each replica is an actor that calls `load()` (a picklable callable returning a `ServedModel`) in
 its own process and serves `create_app(model, config)` through `serve.ingress` (the app is built
 on the replica, after its model is loaded). Ray Serve's proxy routes every HTTP request to a
-replica; a replica takes at most `max_batch + max_queue` requests at once (`max_ongoing_requests`),
-so its own queue bound still answers 429 and Ray queues nothing unbounded either.
+replica; a replica takes at most `max_batch + max_queue` requests at once (`max_ongoing_requests`:
+its slots and its own waiting queue); when every replica is that full, Ray's router holds up to
+`max_queue` more and answers 429 beyond (Ray's backpressure), so nothing queues without bound.
 
 Importing this module imports Ray; only `blockpilot serve --ray` and its test do.
 """
@@ -18,6 +19,7 @@ import threading
 from collections.abc import Callable
 
 from ray import serve
+from ray.serve.config import BackpressureConfig
 
 from blockpilot.serving.app import ServedModel, ServerConfig, create_app
 
@@ -57,6 +59,8 @@ def build_application(load: Callable[[], ServedModel], config: ServerConfig, opt
         BlockPilotReplica, name="BlockPilot", num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
         max_ongoing_requests=config.max_batch + config.max_queue,
+        max_queued_requests=config.max_queue,
+        backpressure_config=BackpressureConfig(status_code=429),
         graceful_shutdown_timeout_s=config.drain_timeout_s,
     )
     return deployment.bind(load, config)
