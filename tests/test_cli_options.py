@@ -40,7 +40,7 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
 
 def test_every_command_is_registered():
     assert set(subcommands()) == {"generate", "demo", "answer", "train-drafter", "label", "train-predictor",
-                                  "build", "profile"}
+                                  "build", "profile", "serve"}
 
 
 @pytest.mark.parametrize("command", sorted(subcommands()))
