@@ -247,13 +247,23 @@ def test_full_queue_answers_429_at_once_and_a_disconnect_frees_the_slot(dirs):
     assert 'blockpilot_requests_total{path="/v1/completions",status="429"} 2.0' in metrics
 
 
-def test_a_client_that_disconnects_while_waiting_for_a_whole_reply_frees_its_slot(dirs):
+def test_clients_that_disconnect_before_the_end_free_their_slots_at_once(dirs):
     with start_server(*dirs, "--max-batch", "2") as running_server:
+        url = running_server.url
         with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as http:
-            http.post(f"{running_server.url}/v1/completions", json={**LONG, "stream": False})
-        # The client hung up after 1 s; the request had ~3000 tokens left.
+            http.post(f"{url}/v1/completions", json={**LONG, "stream": False})
+        # The client hung up after 1 s of a whole reply; the request had thousands of tokens left.
         wait_until(lambda: running_server.scheduler.active == 0, timeout=10, what="the slot to be freed")
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/chat/completions", json=chat) as stream:
+            lines = stream.iter_lines()
+            assert '"role": "assistant"' in next(lines)  # only the opening chunk has been read
+            assert running_server.scheduler.active == 1
+        wait_until(lambda: running_server.scheduler.active == 0, timeout=10, what="the stream's slot to be freed")
         assert running_server.scheduler.waiting == 0
+        metrics = httpx.get(f"{url}/metrics").text
+    assert 'blockpilot_generations_total{finish_reason="cancelled"} 2.0' in metrics
 
 
 # ---------------------------------------------------------------- metrics

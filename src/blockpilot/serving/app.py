@@ -279,7 +279,7 @@ def _add_routes(app: FastAPI, state: ServingState) -> None:
         ids = completion_prompt_ids(model.tokenizer, body.prompt)
         generation = await _start(state, body, ids, body.max_tokens, http_request)
         if body.stream:
-            return _sse(completion_chunks(generation, body, model.name))
+            return _sse(generation, completion_chunks(generation, body, model.name))
         return await _collect_completion(generation, body, model.name, "text_completion")
 
     @app.post("/v1/chat/completions")
@@ -289,7 +289,7 @@ def _add_routes(app: FastAPI, state: ServingState) -> None:
         ids = chat_prompt_ids_of(model.tokenizer, body.messages)
         generation = await _start(state, body, ids, body.token_budget(), http_request)
         if body.stream:
-            return _sse(chat_chunks(generation, body, model.name))
+            return _sse(generation, chat_chunks(generation, body, model.name))
         return await _collect_completion(generation, body, model.name, "chat.completion")
 
 
@@ -359,7 +359,9 @@ async def _collect_completion(generation: Generation, body, model_name: str, kin
     }
 
 
-def _sse(chunks) -> StreamingResponse:
+def _sse(generation: Generation, chunks) -> StreamingResponse:
+    """Server-sent events of `chunks`; however the stream ends (a disconnect cancels it at any
+    `yield`), `generation` is closed, so its decoder slot is freed."""
     async def events():
         try:
             async for chunk in chunks:
@@ -369,6 +371,8 @@ def _sse(chunks) -> StreamingResponse:
         except Exception as exc:  # noqa: BLE001 - a bug after the headers went out; the traceback is logged
             log.exception("generation failed mid-stream")
             yield f"data: {json.dumps(protocol.error_body(one_line(exc), 'internal_error'))}\n\n"
+        finally:
+            generation.close()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
