@@ -95,7 +95,7 @@ def test_target_graph_equals_torch_backend_at_every_profile_shape(built):
                 _close(outputs["logits"][:, 0], expected.last_logits, f"{what}: logits")
                 _close(outputs["hidden"], expected.hidden, f"{what}: hidden")
             else:
-                expected = reference.verify(state, ids, int(feed["positions"][0]))
+                expected = reference.verify(state, ids, int(feed["positions"][0, 0]))
                 _close(outputs["logits"], expected.logits, f"{what}: logits")
             _close(outputs["taps"], expected.taps, f"{what}: taps")
             _check_caches(outputs, state.target_cache, present, what)
@@ -114,6 +114,40 @@ def test_drafter_graph_equals_torch_backend_at_every_profile_shape(built):
             state = DecodeState(None, _caches(feed, past), feed[past[0]].shape[2])
             expected = reference.draft(
                 state, torch.from_numpy(feed["last_token"][:, 0]), torch.from_numpy(feed["context_taps"]),
-                int(feed["context_positions"][0]), int(feed["block_positions"][0]), profile.block_size)
+                int(feed["context_positions"][0, 0]), int(feed["block_positions"][0, 0]), profile.block_size)
             assert outputs["draft_ids"].tolist() == expected.tolist(), what
             _check_caches(outputs, state.drafter_cache, present, what)
+
+
+def test_graphs_carry_rows_at_different_positions_like_the_torch_backend(built):
+    """A batch of 3 rows, each at its own start and context length, in one call of each graph."""
+    _, manifest, reference, sessions = built
+    rng, k, capacity = np.random.default_rng(2), 3, manifest.max_seq_len
+    starts = np.array([4, 11, 7])
+    target, drafter = manifest.target, manifest.drafter
+    feed = {"input_ids": rng.integers(0, reference.target_config.vocab_size, (3, k)).astype(np.int64),
+            "positions": (starts[:, None] + np.arange(k)).astype(np.int64), "logits_index": np.arange(k)}
+    shape = (3, reference.target_config.num_key_value_heads, capacity, reference.target_config.head_dim)
+    feed.update({n: rng.standard_normal(shape).astype(np.float32) for n in target.past_names})
+    outputs = dict(zip(target.outputs, sessions["target"].run(None, feed)))
+    state = DecodeState(_caches(feed, target.past_names), None, capacity)
+    expected = reference.verify(state, torch.from_numpy(feed["input_ids"]), torch.from_numpy(starts))
+    _close(outputs["logits"], expected.logits, "batched target: logits")
+    _check_caches(outputs, state.target_cache, target.present_names, "batched target")
+
+    counts, n = np.array([1, 3, 2]), 3  # rows committed 1, 3 and 2 tokens: n = 3 context columns each
+    dc = reference.drafter_config
+    taps = rng.standard_normal((3, n, len(dc.target_layer_ids) * dc.layers.hidden_size)).astype(np.float32)
+    feed = {"last_token": rng.integers(0, reference.target_config.vocab_size, (3, 1)).astype(np.int64),
+            "block_positions": ((starts + counts)[:, None] + np.arange(k)).astype(np.int64),
+            "context_taps": taps, "context_positions": (starts[:, None] + np.arange(n)).astype(np.int64),
+            "context_length": (starts + counts)[:, None].astype(np.int64)}
+    shape = (3, dc.layers.num_key_value_heads, capacity, dc.layers.head_dim)
+    feed.update({name: rng.standard_normal(shape).astype(np.float32) for name in drafter.past_names})
+    outputs = dict(zip(drafter.outputs, sessions["drafter"].run(None, feed)))
+    state = DecodeState(None, _caches(feed, drafter.past_names), capacity)
+    expected = reference.draft(state, torch.from_numpy(feed["last_token"][:, 0]), torch.from_numpy(taps),
+                               torch.from_numpy(starts), torch.from_numpy(starts + counts), k,
+                               new_counts=torch.from_numpy(counts))
+    assert outputs["draft_ids"].tolist() == expected.tolist()
+    _check_caches(outputs, state.drafter_cache, drafter.present_names, "batched drafter")
