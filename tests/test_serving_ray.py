@@ -42,7 +42,8 @@ def ray_url(dirs):
                              ray_deployment.RayOptions(replicas=2, replica_cpus=0.5), host="127.0.0.1", port=port)
         yield f"http://127.0.0.1:{port}"
     finally:
-        ray_deployment.stop()
+        if ray.is_initialized():  # the last test stops it early
+            ray_deployment.stop()
 
 
 def test_two_replicas_behind_the_ray_router_serve_concurrent_requests_losslessly(ray_url, dirs):
@@ -80,3 +81,45 @@ def test_errors_keep_their_status_codes_through_the_ray_proxy(ray_url):
     chunks = list(api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=8, temperature=0, stream=True))
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_serve_ray_command_answers_and_exits_0_on_sigterm(ray_url, dirs):
+    """The command line's path (its own local cluster, in a subprocess): Ray installs a SIGTERM
+    handler of its own that aborts the process; the command's must win and shut Serve down."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from serving_fixtures import wait_until
+
+    from blockpilot.serving import ray_deployment
+
+    ray_deployment.stop()  # the module's cluster is not needed beyond this point; free the 2 CPUs
+    port = free_port()
+    command = [sys.executable, "-m", "blockpilot", "serve", "--ray", "--replicas", "1", "--replica-cpus", "0.5",
+               "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--served-model-name", MODEL,
+               "--port", str(port)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _healthy(url) or proc.poll() is not None, timeout=150, what="serve --ray to start")
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        reply = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        time.sleep(2)  # past the deployment's last status poll
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, proc.stdout.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -70,14 +70,19 @@ def start(load: Callable[[], ServedModel], config: ServerConfig, options: RayOpt
           port: int) -> None:
     """Connect to (or start) Ray, start Serve's HTTP proxy on `host:port` and deploy the replicas;
     returns once every replica has loaded its model."""
+    connect(options)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_application(load, config, options), name=APP_NAME, route_prefix="/")
+
+
+def connect(options: RayOptions) -> None:
+    """Connect to the cluster at `options.address`, or start a local one (no-op when connected)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports from a local cluster
     if not ray.is_initialized():
         ray.init(address=options.address, num_cpus=options.num_cpus if options.address is None else None,
                  include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_application(load, config, options), name=APP_NAME, route_prefix="/")
 
 
 def stop() -> None:
@@ -91,12 +96,19 @@ def stop() -> None:
 
 def serve_until_signal(load: Callable[[], ServedModel], config: ServerConfig, options: RayOptions, *,
                        host: str, port: int) -> None:
-    """`start`, then block until SIGTERM or SIGINT, then `stop`."""
+    """`start`, then block until SIGTERM or SIGINT, then `stop`.
+
+    The handlers go in after `ray.init`, which installs Ray's own SIGTERM handler (it aborts the
+    process); a signal during the deployment stops the server once the deployment is done.
+    """
     stopping = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {}
     try:
+        connect(options)
+        previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         start(load, config, options, host=host, port=port)
-        stopping.wait()
+        while not stopping.wait(1.0):  # a timed wait lets the main thread run the signal handlers
+            pass
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
