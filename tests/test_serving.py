@@ -174,6 +174,7 @@ def _chat(**fields) -> dict:
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [500, 1]}, 400, None),  # ids outside the vocabulary
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [65] * 4000, "max_tokens": 94}, 400, "max_tokens"),  # + block 4
 ])
 def test_bad_requests_get_openai_error_bodies_and_4xx(server, path, body, status, param):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
@@ -184,6 +185,8 @@ def test_bad_requests_get_openai_error_bodies_and_4xx(server, path, body, status
     assert error["message"] and error["type"]
     if param is not None:
         assert error["param"] == param
+    if param == "max_tokens" and status == 400 and "max_tokens" in body and body["max_tokens"] > 1:
+        assert error["code"] == "context_length_exceeded" and "cache capacity (4096 positions)" in error["message"]
 
 
 def test_errors_reach_the_openai_client_as_its_exception_types(server):

@@ -88,21 +88,22 @@ class ServingState:
                            "(GET /v1/models)", param="model", code="model_not_found")
 
     def token_budget(self, max_tokens: int | None, prompt_len: int, block_size) -> int:
-        """`max_tokens`, checked against the cache; when None, the default capped by the room left."""
+        """`max_tokens`, checked against the cache (prompt + max_tokens + the largest block the
+        request may draft must fit); when None, the default capped by the room left."""
         capacity = self.scheduler.decoder.max_capacity
-        if max_tokens is None:
-            try:
-                largest = self.model.runner.largest_block(block_size)
-            except UserError as exc:
-                raise APIError(400, str(exc), param="block_size") from None
-            max_tokens = min(self.config.default_max_tokens, capacity - prompt_len - largest)
-            if max_tokens < 1:
-                raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room in the cache ({capacity} "
-                               "positions); shorten it", param="messages", code="context_length_exceeded")
-        elif prompt_len + max_tokens > capacity:
-            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the cache "
-                           f"capacity ({capacity} positions); shorten the prompt or lower max_tokens",
-                           param="max_tokens", code="context_length_exceeded")
+        try:
+            block = self.model.runner.largest_block(block_size)
+        except UserError as exc:
+            raise APIError(400, str(exc), param="block_size") from None
+        room = capacity - prompt_len - block
+        if max_tokens is None and room >= 1:
+            return min(self.config.default_max_tokens, room)
+        if max_tokens is None or max_tokens > room:
+            asked = "" if max_tokens is None else f" + max_tokens ({max_tokens})"
+            raise APIError(400, f"prompt ({prompt_len} tokens){asked} + block ({block}) exceeds the cache capacity "
+                           f"({capacity} positions); shorten the prompt or lower max_tokens",
+                           param="max_tokens" if max_tokens is not None else "messages",
+                           code="context_length_exceeded")
         return max_tokens
 
 
