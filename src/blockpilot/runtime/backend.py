@@ -53,6 +53,8 @@ class Backend(Protocol):
     drafter_config: DrafterConfig | None
     max_capacity: int  # largest cache a request may use (positions)
     max_batch: int  # most rows one draft / verify call may carry
+    # optional `loop_threads: int`: torch threads for the decode loop's own ops while this backend
+    # runs (a backend that computes outside torch sets 1; absent: torch's setting is left alone)
 
     def supports_block_size(self, block_size: int) -> bool: ...
 

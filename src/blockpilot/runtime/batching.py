@@ -22,6 +22,7 @@ their own generators exactly as they would alone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -108,6 +109,10 @@ class BatchDecoder:
     # ---------------------------------------------------------------- requests in and out
 
     def add(self, request: GenerationRequest, result=None) -> int:
+        with self._loop_threads():
+            return self._add(request, result)
+
+    def _add(self, request: GenerationRequest, result=None) -> int:
         """Check, prefill and place one request; returns its id. Its first token (from prefill) is
         reported by the next `step`. `result`: a `RequestResult` to fill (a new one by default).
 
@@ -154,6 +159,28 @@ class BatchDecoder:
 
     def step(self) -> list[StepEvent]:
         """One decode step for every active request; returns one event per request touched."""
+        with self._loop_threads():
+            return self._step()
+
+    @contextlib.contextmanager
+    def _loop_threads(self):
+        """The loop's own torch ops (sampling, acceptance) on `backend.loop_threads` threads.
+
+        A backend whose forwards run outside torch (onnxruntime's thread pool, TensorRT) asks for 1:
+        on 2 cores, torch's OpenMP threads spinning after each small op took the cores from the
+        onnxruntime pool (measured on SmolLM2, block 6: 57.9 -> 77.7 tok/s, plain decoding unchanged)."""
+        threads = getattr(self.backend, "loop_threads", None)
+        if threads is None:
+            yield
+            return
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(saved)
+
+    def _step(self) -> list[StepEvent]:
         clock = self.runner.clock
         events: list[StepEvent] = []
         joining, self._joining = self._joining, []

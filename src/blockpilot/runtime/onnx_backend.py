@@ -92,6 +92,7 @@ class OnnxBackend:
 
     name = "onnxruntime"
     device = "cpu"
+    loop_threads = 1  # torch threads for the decode loop's own ops (see `BatchDecoder._loop_threads`)
     min_rows = 2
     """Every verify runs at least 2 query rows (a plain decoding step gets one padding row).
 
