@@ -90,3 +90,13 @@ def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> Non
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def healthy(url: str) -> bool:
+    """True when the server at `url` answers /health with 200."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from cli_fixtures import byte_tokenizer
-from serving_fixtures import MODEL, free_port, make_served_dirs, reference_text, start_server, wait_until
+from serving_fixtures import MODEL, free_port, healthy, make_served_dirs, reference_text, start_server, wait_until
 
 from blockpilot.serving.text import CompletionText, held_back
 
@@ -300,7 +300,7 @@ def test_sigterm_refuses_new_requests_drains_the_one_in_flight_and_exits_0(dirs)
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url) or proc.poll() is not None, timeout=120, what="the server to start")
+        wait_until(lambda: healthy(url) or proc.poll() is not None, timeout=120, what="the server to start")
         assert proc.poll() is None, proc.stdout.read()
         request = {**LONG, "max_tokens": 800}
         with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/completions", json=request) as stream:
@@ -320,12 +320,6 @@ def test_sigterm_refuses_new_requests_drains_the_one_in_flight_and_exits_0(dirs)
             proc.kill()
             proc.wait()
 
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 # ---------------------------------------------------------------- command line

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from serving_fixtures import MODEL, free_port, make_served_dirs, reference_text, serve_args
+from serving_fixtures import MODEL, free_port, healthy, make_served_dirs, reference_text, serve_args
 
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed; pip install 'blockpilot[serve]'")
 
@@ -104,7 +104,7 @@ def test_serve_ray_command_answers_and_exits_0_on_sigterm(ray_url, dirs):
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url) or proc.poll() is not None, timeout=150, what="serve --ray to start")
+        wait_until(lambda: healthy(url) or proc.poll() is not None, timeout=150, what="serve --ray to start")
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         reply = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
@@ -116,10 +116,3 @@ def test_serve_ray_command_answers_and_exits_0_on_sigterm(ray_url, dirs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
