@@ -194,3 +194,21 @@ def test_bad_requests_are_refused_with_one_line(tmp_path_factory):
         with pytest.raises(UserError, match=message):
             decoder.add(bad)
     assert len(decoder) == 0
+
+
+def test_requests_arriving_under_load_decode_plainly_when_asked_to(tmp_path_factory):
+    runner = runner_for(tmp_path_factory, "onnxruntime-fp32")
+    decoder = BatchDecoder(runner, disable_speculation_from=2)
+    first = [decoder.add(GenerationRequest(p, 6, end_id=None)) for p in PROMPTS[:2]]
+    late = decoder.add(GenerationRequest(PROMPTS[2], 6, end_id=None))
+    pinned = decoder.add(GenerationRequest(PROMPTS[3], 6, block_size=5, end_id=None))
+    results = {}
+    while len(decoder):
+        for event in decoder.step():
+            if event.finished:
+                results[event.request_id] = event.result
+    default = runner.default_block_size
+    assert [results[i].block_size for i in first] == [default, default]
+    assert results[late].block_size == 1  # arrived with 2 in flight and no block size of its own
+    assert results[pinned].block_size == 5  # asked for one: kept
+    assert results[late].output_tokens == alone(runner, GenerationRequest(PROMPTS[2], 6, end_id=None)).output_tokens

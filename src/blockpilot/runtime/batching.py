@@ -90,11 +90,18 @@ class BatchDecoder:
     Args:
         runner: the loaded runner (backend, predictor, default block size, end id, clock).
         max_batch: most requests one group (one target call) carries; limited by the backend.
+        disable_speculation_from: a request without a block size of its own (None or "auto") that
+            arrives while at least this many are active decodes plainly (block size 1), as vLLM's
+            `speculative_disable_by_batch_size`: with many rows a verify of K tokens per row is
+            compute-bound and plain decoding's batch gives more tokens per second. None: never.
     """
 
-    def __init__(self, runner, max_batch: int = 16):
+    def __init__(self, runner, max_batch: int = 16, disable_speculation_from: int | None = None):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1 (got {max_batch})")
+        if disable_speculation_from is not None and disable_speculation_from < 1:
+            raise UserError(f"disable_speculation_from must be >= 1 (got {disable_speculation_from})")
+        self.disable_speculation_from = disable_speculation_from
         self.runner = runner
         self.backend = runner.backend
         self.max_batch = max(1, min(max_batch, getattr(self.backend, "max_batch", 1)))
@@ -139,7 +146,11 @@ class BatchDecoder:
         prefill = be.prefill(state, torch.tensor([ids], device=getattr(be, "device", "cpu")))
         last = sample_tokens(prefill.last_logits, params, generator)  # (1,)
         result.prefill_s = clock() - t0
-        result.block_size = k = runner.choose_block_size(result, request.block_size, prefill, params.temperature)
+        block_size = request.block_size
+        if (block_size in (None, "auto") and self.disable_speculation_from is not None
+                and len(self) >= self.disable_speculation_from):
+            block_size = 1
+        result.block_size = k = runner.choose_block_size(result, block_size, prefill, params.temperature)
         active = _Active(next(self._ids), result, params, generator, request.max_new_tokens, end_id, k, last,
                          prefill.taps, 0, len(ids), state)
         active.done = self._commit(active, [int(last)])

@@ -59,12 +59,15 @@ class ServerConfig:
         max_queue: requests waiting for a slot at most; one more is answered 429.
         default_max_tokens: the token budget of a chat request that sets none (capped by the cache).
         drain_timeout_s: on shutdown, how long requests in flight may take to finish.
+        disable_speculation_from: requests without a block size of their own that arrive while
+            this many are in flight decode plainly (`BatchDecoder`); None: never.
     """
 
     max_batch: int = 16
     max_queue: int = 64
     default_max_tokens: int = 256
     drain_timeout_s: float = 30.0
+    disable_speculation_from: int | None = None
 
 
 class ClientGone(Exception):
@@ -230,7 +233,8 @@ def create_app(model: ServedModel, config: ServerConfig = ServerConfig()) -> Fas
     async def lifespan(app: FastAPI):
         from blockpilot.runtime.batching import BatchDecoder
 
-        decoder = BatchDecoder(model.runner, max_batch=config.max_batch)
+        decoder = BatchDecoder(model.runner, max_batch=config.max_batch,
+                               disable_speculation_from=config.disable_speculation_from)
         state.scheduler = Scheduler(decoder, max_batch=config.max_batch, max_queue=config.max_queue,
                                     metrics=state.metrics)
         state.scheduler.start()
