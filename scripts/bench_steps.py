@@ -7,7 +7,8 @@ every backend and dtype the package offers, beside this machine's floors.
     python scripts/bench_steps.py --paths torch-fp32,onnxruntime-fp32 --json out.json
 
 Each path is opened through the package's own `Backend` interface and timed exactly as the decode
-loop calls it: a prefill of `--context` tokens, then `verify` of K tokens at that position (K = 1 is a
+loop calls it (`blockpilot.runtime.step_costs.time_backend`, which `blockpilot build` also runs): a
+prefill of `--context` tokens, then `verify` of K tokens at that position (K = 1 is a
 plain decoding step), and `draft` of a block of K (K - 1 draft tokens) with one new context
 position. Reported: median ms over `--repeats` calls after warm-up, and the ratio of a speculative
 step (draft(K) + verify(K)) to a plain decoding step (verify(1)).
@@ -24,13 +25,13 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from blockpilot.runtime.step_costs import machine_class, median_seconds, time_backend
 
 DEFAULT_PATHS = ("torch-fp32", "torch-bf16", "onnxruntime-fp32")
 
@@ -70,24 +71,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- floors
 
-def _median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_floors(repeats: int = 5) -> dict:
     """Streaming-read bandwidth (GB/s) and matrix-product peaks (GFLOP/s) of this machine."""
     buffer = torch.ones(256 * 1024 * 1024 // 4)  # 1 GiB of fp32, far above any last-level cache
-    read_s = _median_s(lambda: buffer.sum(), repeats)
+    read_s = median_seconds(lambda: buffer.sum(), repeats)
     peaks = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-        peaks[name] = 2 * 2048 ** 3 / _median_s(lambda: a @ b, repeats) / 1e9
+        peaks[name] = 2 * 2048 ** 3 / median_seconds(lambda: a @ b, repeats) / 1e9
     return {"bandwidth_gb_s": buffer.numel() * 4 / read_s / 1e9, "peak_gflop_s": peaks}
 
 
@@ -138,33 +129,6 @@ def weight_footprint(backend) -> tuple[int, int]:
     return elems * size, elems
 
 
-def time_backend(backend, k_max: int, context: int, repeats: int) -> tuple[dict, dict]:
-    """Median ms of verify(K) for K = 1..k_max, of draft(K) for K = 2..k_max, and of an unpadded
-    1-row step when the backend pads plain decoding (else None)."""
-    vocab = backend.target_config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, vocab, (1, context), generator=generator)
-    device = getattr(backend, "device", "cpu")
-    state = backend.new_state(1, context + 2 * k_max + 2)
-    prefill = backend.prefill(state, prompt.to(device))
-    last = torch.tensor([5], device=device)
-    verify_ms, draft_ms, one_row = {}, {}, None
-    if getattr(backend, "min_rows", 1) > 1:  # what the padding row of plain decoding costs
-        rows, backend.min_rows = backend.min_rows, 1
-        one_row = 1e3 * _median_s(lambda: backend.verify(state, last[:, None], context), repeats)
-        backend.min_rows = rows
-    for k in range(1, k_max + 1):
-        if not backend.supports_block_size(k):
-            continue
-        block = torch.randint(3, vocab, (1, k), generator=generator).to(device)
-        verify_ms[k] = 1e3 * _median_s(lambda: backend.verify(state, block, context), repeats)
-        if k >= 2 and backend.drafter_config is not None:
-            taps = prefill.taps[:, -1:]
-            draft_ms[k] = 1e3 * _median_s(
-                lambda: backend.draft(state, last, taps, context - 1, context, k), repeats)
-    return verify_ms, draft_ms, one_row
-
-
 # ---------------------------------------------------------------- report
 
 def table(results: list[PathResult], floors: dict | None, k_max: int) -> str:
@@ -211,7 +175,7 @@ def main(argv=None) -> int:
         results = []
         for name in names:
             backend = open_path(name, target_dir, drafter_dir, engine_dir_for, args.k_max, args.threads)
-            verify_ms, draft_ms, one_row = time_backend(backend, args.k_max, args.context, args.repeats)
+            verify_ms, draft_ms, one_row = time_backend(backend, range(1, args.k_max + 1), args.context, args.repeats)
             results.append(PathResult(name, verify_ms, draft_ms, weight_footprint(backend)[0], one_row))
             print(f"{name}: K=1 {verify_ms[1]:.1f} ms", file=sys.stderr, flush=True)
             del backend
@@ -234,17 +198,7 @@ def main(argv=None) -> int:
 
 
 def machine_description() -> dict:
-    import platform
-
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "torch": torch.__version__}
+    return {"cpu": machine_class(), "cores": os.cpu_count(), "torch": torch.__version__}
 
 
 if __name__ == "__main__":

@@ -216,3 +216,29 @@ def test_predictor_that_may_choose_an_unbuilt_block_size_is_rejected_before_buil
     err = capsys.readouterr().err.strip()
     assert code == 2 and "may choose block size 4" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "engine").exists()
+
+
+def test_step_costs_round_trip_through_the_manifest_and_older_manifests_read_without_them(tmp_path):
+    from blockpilot.builder.manifest import StepCosts
+
+    (tmp_path / "target.onnx").write_bytes(b"graph")
+    costs = StepCosts("onnxruntime", "fp32", "AMD EPYC 9B14 x2", 256, {1: 15.1, 4: 16.5}, {4: 2.3})
+    written = write_manifest(tmp_path, _manifest(step_costs=costs))
+    loaded = read_manifest(tmp_path)
+    assert loaded == written and loaded.step_costs == costs
+    assert loaded.step_costs.step_ms(1) == 15.1 and loaded.step_costs.step_ms(4) == pytest.approx(18.8)
+    with pytest.raises(UserError, match="has no block size 8"):
+        loaded.step_costs.step_ms(8)
+    raw = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    del raw["step_costs"]  # as written before the field existed
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(raw))
+    assert read_manifest(tmp_path).step_costs is None
+
+
+def test_build_measures_step_costs_on_the_built_graphs(tmp_path_factory):
+    manifest = read_manifest(tiny_engine_dir(tmp_path_factory))  # built with `blockpilot build`
+    costs = manifest.step_costs
+    assert (costs.backend, costs.dtype) == ("onnxruntime", "fp32") and costs.machine
+    assert sorted(costs.target_ms) == [1, 3, 5] and sorted(costs.drafter_ms) == [3, 5]
+    assert all(ms > 0 for ms in [*costs.target_ms.values(), *costs.drafter_ms.values()])
+    assert 0 < costs.context < TINY_MAX_SEQ_LEN

@@ -184,3 +184,33 @@ def test_unreadable_or_foreign_predictor_files_are_user_errors(models, confident
         OnnxBlockSizePolicy(foreign)
     with pytest.raises(UserError, match="not a probability"):
         OnnxBlockSizePolicy(confident_predictor, threshold=1.5)
+
+
+def test_auto_choosing_block_size_1_decodes_plainly(models):
+    tmp, target, drafter = models
+    info = _info(target, drafter, candidates=(1, 8))
+    plain_first = _constant_predictor(tmp / "plain.onnx", info, [0.9, 0.1])
+    out = Runner.from_dir(target, drafter_dir=drafter, predictor=plain_first).generate(
+        [torch.tensor(PROMPT)], max_new_tokens=6, end_id=-1, return_dict=True)
+    plain = Runner.from_dir(target).generate([torch.tensor(PROMPT)], max_new_tokens=6, end_id=-1, return_dict=True)
+    assert out["block_sizes"] == [1] and out["block_size_probs"][0] == pytest.approx(0.9, abs=1e-5)
+    assert torch.equal(out["output_ids"], plain["output_ids"])
+    assert set(out["accept_lengths"][0]) == {1}  # one token a step: plain decoding
+
+
+def test_predictor_for_another_backend_or_dtype_is_refused_unless_overridden(models):
+    tmp, target, drafter = models
+    info = _info(target, drafter, objective="throughput", cost_backend="onnxruntime", cost_dtype="fp32",
+                 cost_machine="AMD EPYC x2")
+    path = _constant_predictor(tmp / "onnxruntime-fp32.onnx", info, [0.02, 0.02, 0.04, 0.02, 0.9])
+    assert OnnxBlockSizePolicy(path).info.cost_machine == "AMD EPYC x2"
+    with pytest.raises(UserError, match="labelled with onnxruntime fp32 step costs, this runner is torch fp32.*"
+                                        "--predictor-any-backend"):
+        Runner.from_dir(target, drafter_dir=drafter, predictor=path)
+    runner = Runner.from_dir(target, drafter_dir=drafter, predictor=path, predictor_any_backend=True)
+    assert runner.generate([torch.tensor(PROMPT)], max_new_tokens=2, end_id=-1, return_dict=True)["block_sizes"] == [10]
+    torch_fp32 = _constant_predictor(tmp / "torch-fp32.onnx", _info(
+        target, drafter, objective="throughput", cost_backend="torch", cost_dtype="fp32"), [0.2] * 5)
+    Runner.from_dir(target, drafter_dir=drafter, predictor=torch_fp32)  # its own backend and dtype: accepted
+    with pytest.raises(UserError, match="torch fp32 step costs, this runner is torch bf16"):
+        Runner.from_dir(target, drafter_dir=drafter, predictor=torch_fp32, dtype=torch.bfloat16)

@@ -125,7 +125,7 @@ def test_label_cli_writes_a_dataset_and_resumes_without_redoing_prompts(models, 
             "--max-new-tokens", "12", "--out", str(out), "--clock", "cpu"]
     assert cli.main(args + ["--limit", "2"]) == 0
     first = load_label_dataset(out)
-    assert first.candidates == (6, 7, 8, 9, 10)  # B_train 8 +- 2 by default
+    assert first.candidates == (1, 6, 7, 8, 9, 10)  # plain decoding and B_train 8 +- 2 by default
     assert cli.main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["rows"] == 3 and summary["labelled_now"] == 1
@@ -151,7 +151,7 @@ def test_label_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
 
     fails(["--prompts", str(empty), "--out", str(tmp_path / "a")], "has no prompts")
     fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "9-x"], "'9-x' is not a size")
-    fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "1-3"], "at least two")
+    fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--candidates", "8"], "at least two")
     fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "8"], "at least two")
     assert cli.main(base + ["--prompts", str(prompts), "--out", str(tmp_path / "c")]) == 0
     other_target = make_hf_target(tmp, "llama", seed=5)

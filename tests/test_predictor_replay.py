@@ -8,7 +8,7 @@ import torch
 
 from blockpilot import cli
 from blockpilot.predictor.labelling import LabelJob, run_label_job
-from blockpilot.predictor.labels import load_label_dataset
+from blockpilot.predictor.labels import LabelDataset, load_label_dataset
 from blockpilot.runtime.runner import Runner
 
 from fixtures import WORDS, make_word_corpus
@@ -71,7 +71,7 @@ def test_replayed_labels_equal_the_labels_of_decoding_every_candidate(models, tm
                            calibration_reps=2, **common))
     decoded, replayed = load_label_dataset(tmp_path / "decoded"), load_label_dataset(tmp_path / "replayed")
     assert replayed.ids == decoded.ids == [f"q{i}" for i in range(len(PROMPTS))]
-    assert replayed.candidates == decoded.candidates == (2, 3, 4, 5, 6)
+    assert replayed.candidates == decoded.candidates == (1, 2, 3, 4, 5, 6)  # plain decoding and B_train 4 +- 2
     for key in ("steps", "accepted", "new_tokens", "tau", "prompt_tokens", "pooled", "logits"):
         assert torch.equal(replayed.rows[key], decoded.rows[key]), key
     assert torch.equal(replayed.labels("tau"), decoded.labels("tau"))
@@ -98,7 +98,7 @@ def test_replay_step_times_come_from_the_stored_calibration_and_survive_a_resume
     ds = load_label_dataset(out)
     per_call = torch.tensor([calibration["draft_s"][str(c)] + calibration["verify_s"][str(c)]
                              for c in ds.candidates], dtype=torch.float64)
-    assert torch.allclose(ds.step_cost(), per_call)
+    assert ds.step_cost().tolist() == [ds.step_costs.step_ms(c) / 1e3 for c in ds.candidates]  # the table scores
     assert torch.allclose(ds.rows["step_s"][ds.rows["steps"] > 0], per_call.expand(len(ds), -1)[ds.rows["steps"] > 0])
 
 
@@ -122,3 +122,49 @@ def test_replay_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
     assert cli.main(base + ["--prompts", str(answers), "--out", str(tmp_path / "e")]) == 0
     capsys.readouterr()
     fails(["--replay-answers", str(answers), "--out", str(tmp_path / "e")], "other settings (step_time_source")
+
+
+def test_candidate_1_is_plain_decoding_in_replay_and_decoding(models, tmp_path):
+    _, target, drafter, _ = models
+    prompts = _write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    answers = _answers(target, drafter, tmp_path / "answers.jsonl")
+    common = dict(target=target, drafter=drafter, max_new_tokens=MAX_NEW, progress=False, clock="cpu",
+                  candidates=(1, 2, 4))
+    run_label_job(LabelJob(prompts=prompts, out=tmp_path / "decoded", **common))
+    run_label_job(LabelJob(prompts=None, replay_answers=answers, out=tmp_path / "replayed", calibration_prompts=2,
+                           calibration_reps=2, **common))
+    decoded, replayed = load_label_dataset(tmp_path / "decoded"), load_label_dataset(tmp_path / "replayed")
+    assert replayed.candidates == decoded.candidates == (1, 2, 4)
+    for key in ("steps", "accepted", "new_tokens", "tau"):
+        assert torch.equal(replayed.rows[key], decoded.rows[key]), key
+    assert (decoded.rows["tau"][:, 0] == 1).all() and (decoded.rows["tau"][:, 1:] > 1).any()
+    assert (replayed.rows["draft_s"][:, 0] == 0).all()  # plain decoding: no drafter call
+    assert replayed.step_costs.step_ms(1) == replayed.step_costs.target_ms[1]  # measured on the labelling backend
+
+
+def test_throughput_labels_use_the_given_step_cost_table_and_the_predictor_records_its_backend(models, tmp_path):
+    from blockpilot.builder.manifest import StepCosts
+    from blockpilot.predictor.train import TrainSettings, train_predictor
+    from blockpilot.runtime.policy import OnnxBlockSizePolicy
+
+    _, target, drafter, _ = models
+    answers = _answers(target, drafter, tmp_path / "answers.jsonl")
+    # plain decoding costs 10 ms a step, block 4 costs 1000 ms: only plain decoding pays
+    table = StepCosts("onnxruntime", "fp32", "test machine x2", 16, {1: 10.0, 4: 900.0}, {4: 100.0})
+    (tmp_path / "costs.json").write_text(json.dumps(table.to_dict()))
+    assert cli.main(["label", "--target", str(target), "--drafter", str(drafter), "--replay-answers", str(answers),
+                     "--candidates", "1,4", "--step-costs", str(tmp_path / "costs.json"), "--max-new-tokens",
+                     str(MAX_NEW), "--out", str(tmp_path / "ds"), "--calibration-prompts", "1",
+                     "--calibration-reps", "1"]) == 0
+    ds = load_label_dataset(tmp_path / "ds")
+    assert ds.step_costs == table and ds.step_cost().tolist() == [0.01, 1.0]
+    assert (ds.rows["tau"][:, 1] > 1).any()  # block 4 has the higher tau on some prompts ...
+    assert (ds.labels("throughput") == 0).all()  # ... but never pays at 100x the plain step
+    cheap = ds.with_step_costs(StepCosts("torch", "bf16", "m", 16, {1: 10.0, 4: 10.0}, {4: 0.0}))
+    assert torch.equal(cheap.labels("throughput"), cheap.labels("tau"))  # equal costs: the tau labels
+    many = LabelDataset([f"{i}/{row}" for i in range(4) for row in ds.ids],
+                        {key: value.repeat(4, *([1] * (value.dim() - 1))) for key, value in ds.rows.items()}, ds.meta)
+    train_predictor([many], TrainSettings(objective="throughput", hidden=8, max_epochs=2), tmp_path / "p.onnx")
+    info = OnnxBlockSizePolicy(tmp_path / "p.onnx").info
+    assert (info.cost_backend, info.cost_dtype, info.cost_machine) == ("onnxruntime", "fp32", "test machine x2")
+    assert info.candidates == (1, 4)

@@ -8,6 +8,7 @@ was). The layout is described in `blockpilot.builder.manifest`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from blockpilot.builder.manifest import DTYPES, MANIFEST_NAME, GraphEntry, Manifest, write_manifest
+from blockpilot.builder.manifest import DTYPES, MANIFEST_NAME, GraphEntry, Manifest, StepCosts, write_manifest
 from blockpilot.errors import UserError
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -174,12 +175,15 @@ def _export_graphs(spec: BuildSpec, target, drafter, out: Path, log) -> tuple[Gr
             limits.max_batch)
 
 
-def build_engine_dir(spec: BuildSpec, log: Callable[[str], None] = lambda message: None) -> Manifest:
+def build_engine_dir(spec: BuildSpec, log: Callable[[str], None] = lambda message: None,
+                     measure_step_costs: Callable[[Path], StepCosts] | None = None) -> Manifest:
     """Export, copy and (optionally) compile everything into `spec.out_dir`.
 
     Args:
         spec: the build request.
         log: receives one line per stage.
+        measure_step_costs: times the finished (not yet renamed) directory's graphs; its table is
+            stored in the manifest's `step_costs` (`blockpilot.runtime.step_costs.measure_engine_dir`).
 
     Returns:
         The manifest written into the directory.
@@ -214,7 +218,12 @@ def build_engine_dir(spec: BuildSpec, log: Callable[[str], None] = lambda messag
 
             manifest = build_engines(out, manifest, log)
         log("hashing files and writing the manifest ...")
-        written.append(write_manifest(out, manifest))
+        manifest = write_manifest(out, manifest)
+        if measure_step_costs is not None:
+            log("measuring step costs on the built graphs ...")
+            manifest = dataclasses.replace(manifest, step_costs=measure_step_costs(out))
+            (out / MANIFEST_NAME).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
+        written.append(manifest)
 
     replace_dir_atomically(spec.out_dir, fill)
     return written[0]

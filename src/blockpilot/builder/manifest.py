@@ -11,8 +11,10 @@ An engine directory (written by `blockpilot build`) holds:
 
 Per graph the manifest records its files, I/O tensor names and optimization profiles (each with
 min/opt/max shapes per input); profile indices are the same in the ONNX-derived TensorRT engine.
-`files` maps every other file's relative path to its SHA-256. `read_manifest` raises `UserError`
-for a missing directory or file, a digest mismatch, or a format newer than this code.
+`files` maps every other file's relative path to its SHA-256. `step_costs` (optional; absent in
+directories built before it existed) is the step-cost table measured on the built graphs right after
+the build (`blockpilot.runtime.step_costs`). `read_manifest` raises `UserError` for a missing directory
+or file, a digest mismatch, or a format newer than this code.
 """
 
 from __future__ import annotations
@@ -94,6 +96,48 @@ class GraphEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Median milliseconds of the calls one decode step makes, on one backend, dtype and machine class.
+
+    `target_ms[k]`: a target forward (verify) of k query tokens at `context` tokens of cache; k = 1
+    is a plain decoding step (on onnxruntime it carries the padding row plain decoding runs with).
+    `drafter_ms[k]`: one drafter call proposing a block of k (k >= 2). A speculative step at block
+    size k costs `target_ms[k] + drafter_ms[k]`, a plain one `target_ms[1]` (`step_ms`).
+    """
+
+    backend: str  # "torch" | "onnxruntime" | "tensorrt"
+    dtype: str  # "fp32" | "fp16" | "bf16"
+    machine: str  # machine class: CPU model and core count (or GPU name)
+    context: int
+    target_ms: dict[int, float]
+    drafter_ms: dict[int, float]
+    threads: int | None = None
+
+    def step_ms(self, block_size: int) -> float:
+        """Milliseconds of one decode step at `block_size` (1: plain decoding, no drafter call).
+
+        Raises:
+            UserError: the table has no entry for `block_size`.
+        """
+        if block_size not in self.target_ms or (block_size > 1 and block_size not in self.drafter_ms):
+            raise UserError(f"the step-cost table ({self.backend} {self.dtype}) has no block size {block_size} "
+                            f"(it has {sorted(self.target_ms)}); measure it on an engine dir built for that size")
+        return self.target_ms[block_size] + (self.drafter_ms[block_size] if block_size > 1 else 0.0)
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "dtype": self.dtype, "machine": self.machine, "context": self.context,
+                "threads": self.threads, "target_ms": {str(k): v for k, v in sorted(self.target_ms.items())},
+                "drafter_ms": {str(k): v for k, v in sorted(self.drafter_ms.items())}}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "StepCosts":
+        return cls(str(raw["backend"]), str(raw["dtype"]), str(raw["machine"]), int(raw["context"]),
+                   {int(k): float(v) for k, v in raw["target_ms"].items()},
+                   {int(k): float(v) for k, v in raw["drafter_ms"].items()},
+                   None if raw.get("threads") is None else int(raw["threads"]))
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     dtype: str  # "fp32" | "fp16" | "bf16": the graphs' float type
     max_seq_len: int  # cache capacity of the engines (positions 0..max_seq_len-1)
@@ -112,6 +156,7 @@ class Manifest:
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # where target/drafter were built from
     files: dict[str, str] = dataclasses.field(default_factory=dict)  # relative path -> SHA-256
     max_batch: int = 1  # most rows (requests) one graph call may carry
+    step_costs: StepCosts | None = None  # measured on the built graphs (None: not measured)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -122,7 +167,8 @@ class Manifest:
         raw = dataclasses.asdict(self)
         raw.update(target=self.target.to_dict(), drafter=self.drafter.to_dict(),
                    block_sizes=list(self.block_sizes), tap_layers=list(self.tap_layers),
-                   tokenizer_files=list(self.tokenizer_files))
+                   tokenizer_files=list(self.tokenizer_files),
+                   step_costs=self.step_costs.to_dict() if self.step_costs is not None else None)
         return {"format": FORMAT_NAME, **raw}
 
     @classmethod
@@ -131,7 +177,8 @@ class Manifest:
         values = {k: v for k, v in raw.items() if k in fields}
         values.update(target=GraphEntry.from_dict(raw["target"]), drafter=GraphEntry.from_dict(raw["drafter"]),
                       block_sizes=tuple(raw["block_sizes"]), tap_layers=tuple(raw["tap_layers"]),
-                      tokenizer_files=tuple(raw.get("tokenizer_files", ())))
+                      tokenizer_files=tuple(raw.get("tokenizer_files", ())),
+                      step_costs=StepCosts.from_dict(raw["step_costs"]) if raw.get("step_costs") else None)
         return cls(**values)
 
 

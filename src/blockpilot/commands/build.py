@@ -44,6 +44,11 @@ def add_parser(subparsers) -> None:
                    help="24: TensorScatter + Attention (TensorRT >= 10.15, in-place caches); 18: any TensorRT 10")
     p.add_argument("--out", type=Path, required=True, help="engine directory to write")
     p.add_argument("--trt", action="store_true", help="also build TensorRT engines (needs TensorRT and a GPU)")
+    p.add_argument("--no-step-costs", dest="step_costs", action="store_false",
+                   help="skip measuring the step-cost table (ms per target forward at K = 1 and each block size, "
+                   "drafter ms per block size) on the built graphs; `blockpilot label --step-costs DIR` reads it")
+    p.add_argument("--step-cost-context", type=int, default=256,
+                   help="tokens in the cache while the step costs are measured")
     p.set_defaults(run=run)
 
 
@@ -55,7 +60,7 @@ def check_predictor(path: Path, target_dir: Path, drafter_dir: Path, block_sizes
     policy = OnnxBlockSizePolicy(path)
     target = DecoderConfig.from_dict(read_config_json(target_dir))
     drafter = DrafterConfig.from_dict(read_config_json(drafter_dir))
-    policy.check_fits(target, drafter, lambda k: k in block_sizes)
+    policy.check_fits(target, drafter, lambda k: k == 1 or k in block_sizes)  # 1: plain decoding, always there
     policy.check_models(target_dir, drafter_dir)
 
 
@@ -76,7 +81,7 @@ def resolve_spec(args: argparse.Namespace):
     if sizes is None and predictor is not None:
         from blockpilot.runtime.policy import OnnxBlockSizePolicy
 
-        sizes = tuple(OnnxBlockSizePolicy(predictor).candidates)
+        sizes = tuple(k for k in OnnxBlockSizePolicy(predictor).candidates if k > 1)  # 1 needs no graph
     if sizes is None:
         sizes = default_candidates(DrafterConfig.from_dict(read_config_json(drafter)).block_size)
     if predictor is not None:
@@ -111,8 +116,28 @@ def run(args: argparse.Namespace) -> int:
     from blockpilot.builder.engine_dir import build_engine_dir
 
     spec = resolve_spec(args)
-    manifest = build_engine_dir(spec, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.step_cost_context < 1:
+        raise UserError(f"--step-cost-context must be >= 1 (got {args.step_cost_context})")
+    measure = None
+    if args.step_costs:
+        from blockpilot.runtime.step_costs import measure_engine_dir
+
+        def measure(engine_dir: Path):
+            return measure_engine_dir(engine_dir, context=args.step_cost_context)
+
+    manifest = build_engine_dir(spec, log=lambda line: print(line, file=sys.stderr, flush=True),
+                                measure_step_costs=measure)
     engines = "with TensorRT engines" if manifest.has_engines else "ONNX only"
     print(f"wrote {args.out} ({engines}; block sizes {list(manifest.block_sizes)}, "
           f"max sequence length {manifest.max_seq_len}, {manifest.dtype}, {len(manifest.files)} files)")
+    if manifest.step_costs is not None:
+        print(step_cost_line(manifest.step_costs))
     return 0
+
+
+def step_cost_line(costs) -> str:
+    """One line of a `StepCosts` table: the step ms of each block size and its ratio to plain decoding."""
+    plain = costs.step_ms(1)
+    sizes = ", ".join(f"{k}: {costs.step_ms(k):.1f} ({costs.step_ms(k) / plain:.2f}x)" for k in sorted(costs.target_ms))
+    return (f"step costs ({costs.backend} {costs.dtype}, {costs.machine}, context {costs.context}), ms per step "
+            f"by block size: {sizes}")

@@ -31,9 +31,13 @@ def add_parser(subparsers) -> None:
                    help="replay: time draft + verify on this many prompts")
     p.add_argument("--calibration-reps", type=int, default=5, help="replay: timed rounds per prompt")
     p.add_argument("--note", default="", help="free text stored in the dataset's meta.json")
-    p.add_argument("--block-sizes", type=argument_type(parse_block_sizes), metavar="LIST",
-                   help=f"candidate block sizes, at least two, each >= 2, e.g. {BLOCK_SIZES_EXAMPLE} "
-                   "(default: the drafter's training block size +- 2)")
+    p.add_argument("--candidates", "--block-sizes", dest="block_sizes", type=argument_type(parse_block_sizes),
+                   metavar="LIST", help=f"candidate block sizes, at least two, e.g. {BLOCK_SIZES_EXAMPLE} or "
+                   "1,4,6,8,10,12,16; 1 is plain decoding (default: 1 and the drafter's training block size +- 2)")
+    p.add_argument("--step-costs", type=Path, metavar="PATH",
+                   help="step-cost table for the throughput labels: an engine dir (`blockpilot build` measures it "
+                   "on its graphs) or a JSON file; use the backend and dtype that will run the predictor "
+                   "(default: measured on the labelling backend)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
@@ -53,9 +57,11 @@ def run(args: argparse.Namespace) -> int:
     from blockpilot.devices import resolve_device
     from blockpilot.predictor.labelling import LabelJob, run_label_job
 
-    if args.block_sizes is not None and (len(args.block_sizes) < 2 or args.block_sizes[0] < 2):
-        raise UserError(f"--block-sizes {','.join(map(str, args.block_sizes))}: label needs at least two "
-                        "candidate block sizes, each >= 2")
+    if args.block_sizes is not None and len(args.block_sizes) < 2:
+        raise UserError(f"--candidates {','.join(map(str, args.block_sizes))}: label needs at least two "
+                        "candidate block sizes")
+    if args.step_costs is not None and not args.step_costs.exists():
+        raise UserError(f"--step-costs {args.step_costs}: no such engine directory or file")
     job = LabelJob(
         target=args.target or _default_target(), drafter=args.drafter or _default_drafter(),
         prompts=args.prompts, out=args.out, candidates=args.block_sizes,
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         limit=args.limit, seed=args.seed, device=resolve_device(args.device),
         chat_template=not args.no_chat_template, clock=args.clock, replay_answers=args.replay_answers,
         calibration_prompts=args.calibration_prompts, calibration_reps=args.calibration_reps, note=args.note,
+        step_costs=args.step_costs,
     )
     print(json.dumps(run_label_job(job)))
     return 0

@@ -37,6 +37,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threshold", type=float, default=0.0,
                    help="stored fallback threshold: below this top probability the runtime uses B_train")
     p.add_argument("--seed", type=int, default=0, help="random seed (splits, initialisation, batches)")
+    p.add_argument("--candidates", metavar="LIST",
+                   help="train over a subset of the datasets' candidates, e.g. 1,4,8 (default: all of them)")
+    p.add_argument("--step-costs", type=Path, metavar="PATH",
+                   help="score throughput with this step-cost table instead of the datasets' own: an engine dir "
+                   "(`blockpilot build` measures it) or a JSON file; the predictor is then for its backend/dtype")
     p.add_argument("--target", type=Path, help="check the datasets were labelled with this target's weights")
     p.add_argument("--drafter", type=Path, help="check the datasets were labelled with this drafter's weights")
     p.set_defaults(run=run)
@@ -54,6 +59,16 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.dropout < 1.0 or not 0.0 <= args.threshold <= 1.0:
         raise UserError("--dropout must be in [0, 1) and --threshold in [0, 1]")
     datasets = [load_label_dataset(path) for path in args.dataset]
+    if args.step_costs is not None:
+        from blockpilot.predictor.labelling import read_step_costs
+
+        table = read_step_costs(args.step_costs)
+        datasets = [dataset.with_step_costs(table) for dataset in datasets]
+    candidates = None
+    if args.candidates is not None:
+        from blockpilot.commands.common import parse_block_sizes
+
+        candidates = parse_block_sizes(args.candidates)
     for dataset in datasets:
         check_dataset_models(dataset, args.target, args.drafter)
     settings = TrainSettings(
@@ -61,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         with_temperature=args.with_temperature, lr=args.lr, weight_decay=args.weight_decay,
         batch_size=args.batch_size, max_epochs=args.max_epochs, patience=args.patience,
         val_fraction=args.val_fraction, test_fraction=args.test_fraction, threshold=args.threshold, seed=args.seed,
+        candidates=candidates,
     )
     report = train_predictor(datasets, settings, args.out)
     split = report["splits"][report["evaluated_on"]]

@@ -5,11 +5,17 @@ with the target's tokenizer and its chat template when it has one. The dataset l
 labelling itself are in `blockpilot.predictor.labels`. With `replay_answers` (T = 0 only) the
 prompts and their greedy answers come from one answers file and are labelled by exact replay with
 calibrated step times (`blockpilot.predictor.replay`) instead of decoding every candidate.
+
+The throughput labels use a step-cost table (`blockpilot.builder.manifest.StepCosts`) kept in the
+dataset's meta: the one in an engine directory's manifest or a JSON file (`step_costs`), measured
+where the predictor will run; without one it is measured on the labelling backend, the same way
+(`blockpilot.runtime.step_costs`). Its backend, dtype and machine class go into the predictor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -26,7 +32,7 @@ class LabelJob:
     drafter: Path
     prompts: Path | None  # None with `replay_answers`: the prompts are that file's rows
     out: Path
-    candidates: tuple[int, ...] | None = None
+    candidates: tuple[int, ...] | None = None  # 1 = plain decoding
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -42,6 +48,7 @@ class LabelJob:
     calibration_prompts: int = 4  # replay: prompts and timed rounds of the step-time calibration
     calibration_reps: int = 5
     note: str = ""  # free text kept in meta.json (e.g. where the prompts come from)
+    step_costs: Path | None = None  # engine dir (its manifest's table) or StepCosts JSON; None: measure here
 
 
 def default_candidates(b_train: int, radius: int = 2) -> tuple[int, ...]:
@@ -77,6 +84,7 @@ def run_label_job(job: LabelJob) -> dict:
         print(f"label: skipping {too_long} prompts longer than the cache allows", file=sys.stderr)
     if job.replay_answers:
         meta["calibration"] = _calibration(job, runner, settings, [ids for _, _, ids in encoded])
+    meta["step_costs"] = _step_costs(job, runner.backend, settings.candidates)
     done = prepare_dataset_dir(job.out, meta)
     todo = [item for item in encoded if item[1] not in done]
     if job.replay_answers:
@@ -151,6 +159,53 @@ def _calibration(job: LabelJob, runner, settings: LabelSettings, encoded: list[l
                                 job.calibration_reps, runner.clock)
 
 
+def _step_costs(job: LabelJob, backend, candidates: tuple[int, ...]) -> dict:
+    """The step-cost table of the dataset (as a dict): an existing dataset's own, else `job.step_costs`'s,
+    else measured on `backend` at the candidates.
+
+    Raises:
+        UserError: the source has no table, or the table lacks a candidate.
+    """
+    from blockpilot.builder.manifest import StepCosts
+    from blockpilot.predictor.labels import read_meta
+
+    existing = read_meta(job.out) if job.out.exists() and any(job.out.iterdir()) else None
+    if existing and existing.get("step_costs"):
+        table = StepCosts.from_dict(existing["step_costs"])
+    elif job.step_costs is not None:
+        table = read_step_costs(job.step_costs)
+    else:
+        from blockpilot.runtime.step_costs import measure_step_costs
+
+        print(f"label: measuring step costs on the {backend.name} backend (pass --step-costs ENGINE_DIR for the "
+              "backend that will run the predictor)", file=sys.stderr)
+        table = measure_step_costs(backend, [c for c in candidates if c > 1] or [1])
+    for c in candidates:
+        table.step_ms(c)  # a UserError naming the missing size
+    return table.to_dict()
+
+
+def read_step_costs(path: Path):
+    """The `StepCosts` of an engine directory's manifest, or of a JSON file holding one.
+
+    Raises:
+        UserError: unreadable, or an engine directory built without step costs.
+    """
+    from blockpilot.builder.manifest import StepCosts, read_manifest
+
+    path = Path(path)
+    if path.is_dir():
+        table = read_manifest(path, verify_files=False).step_costs
+        if table is None:
+            raise UserError(f"engine directory {path} has no step-cost table (built before it existed, or with "
+                            "--no-step-costs); rebuild it with `blockpilot build`")
+        return table
+    try:
+        return StepCosts.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"--step-costs {path}: not an engine directory or a step-cost JSON file ({exc})") from None
+
+
 def _clock(name: str):
     """The runner clock for step timings: wall time, or this process's CPU time (other processes'
     load does not inflate it; with one torch thread it is the compute time of the step)."""
@@ -178,7 +233,9 @@ def _load_prompts(path: Path, limit: int | None):
 
 def _settings(job: LabelJob, backend) -> LabelSettings:
     b_train = backend.drafter_config.block_size
-    candidates = job.candidates or default_candidates(b_train)
+    candidates = job.candidates or (1, *default_candidates(b_train))
+    if len(candidates) < 2:
+        raise UserError(f"candidates {list(candidates)}: label needs at least two candidate block sizes")
     unsupported = [c for c in candidates if not backend.supports_block_size(c)]
     if unsupported:
         raise UserError(f"candidate block size {unsupported[0]} is not supported by the {backend.name} backend; "

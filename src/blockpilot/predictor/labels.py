@@ -17,11 +17,16 @@ Step times are measured per row while decoding (meta `step_time_source` "measure
 T = 0 replay datasets (`blockpilot.predictor.replay`), steps x per-call medians of a calibration
 stored in meta `calibration` ("calibrated").
 
+Candidate 1 is plain decoding: tau 1 and no drafter call.
+
 Label objectives (chosen at training time, both computed from the dataset):
     tau         argmax of tau over candidates (the paper's labels)
-    throughput  argmax of tau / step cost, the step cost of a candidate being its mean measured
-                step time (draft + verify) over the whole dataset: per-prompt step times on a shared
-                CPU are too noisy to compare, and the cost of a step depends on the block size.
+    throughput  argmax of tau / step cost. The step cost of a candidate comes from the step-cost
+                table in meta `step_costs` (`blockpilot.builder.manifest.StepCosts`: measured on the
+                backend and dtype that will run the predictor; cost(1) = the plain decoding step,
+                cost(k) = verify(k) + draft(k)); datasets without one use the candidate's mean
+                measured step time (draft + verify) over the whole dataset. Per-prompt step times
+                on a shared CPU are too noisy to compare.
 Ties (within 1e-9 relative) go to the candidate nearest B_train, then to the smaller one.
 """
 
@@ -46,6 +51,7 @@ LABEL_VERSION = 1
 OBJECTIVES = ("tau", "throughput")
 ROW_KEYS = ("pooled", "logits", "tau", "steps", "accepted", "new_tokens", "draft_s", "verify_s", "step_s",
             "prompt_tokens")
+PER_CANDIDATE = ("tau", "steps", "accepted", "new_tokens", "draft_s", "verify_s", "step_s")  # (N, K) keys
 CONSOLIDATED = "labels.safetensors"
 META = "meta.json"
 PARTS = "parts"
@@ -116,8 +122,20 @@ class LabelDataset:
     def b_train(self) -> int:
         return int(self.meta["b_train"])
 
+    @property
+    def step_costs(self):
+        """The dataset's `StepCosts` table (None for datasets labelled without one)."""
+        from blockpilot.builder.manifest import StepCosts
+
+        raw = self.meta.get("step_costs")
+        return StepCosts.from_dict(raw) if raw else None
+
     def step_cost(self) -> torch.Tensor:
-        """`(K,)` mean step time of each candidate over the dataset (seconds)."""
+        """`(K,)` seconds of one decode step of each candidate: from the step-cost table, else the
+        mean measured step time over the dataset."""
+        table = self.step_costs
+        if table is not None:
+            return torch.tensor([table.step_ms(c) / 1e3 for c in self.candidates], dtype=torch.float64)
         return candidate_step_cost(self.rows["draft_s"], self.rows["verify_s"], self.rows["steps"])
 
     def scores(self, objective: str) -> torch.Tensor:
@@ -131,6 +149,31 @@ class LabelDataset:
     def labels(self, objective: str) -> torch.Tensor:
         """`(N,)` int64 index of the oracle candidate under `objective`."""
         return oracle_labels(self.scores(objective), torch.tensor(self.candidates), self.b_train)
+
+    def restricted(self, candidates: tuple[int, ...]) -> "LabelDataset":
+        """The same rows over a subset of the candidates (the others' columns dropped).
+
+        Raises:
+            UserError: a candidate the dataset was not labelled at.
+        """
+        missing = [c for c in candidates if c not in self.candidates]
+        if missing:
+            raise UserError(f"candidate {missing[0]} was not labelled (the dataset has {list(self.candidates)}); "
+                            "choose candidates among those")
+        columns = torch.tensor([self.candidates.index(c) for c in candidates])
+        rows = {key: value[:, columns] if value.dim() == 2 and key in PER_CANDIDATE else value
+                for key, value in self.rows.items()}
+        return LabelDataset(self.ids, rows, {**self.meta, "candidates": list(candidates)})
+
+    def with_step_costs(self, table) -> "LabelDataset":
+        """The same rows scored with another `StepCosts` table (e.g. another backend's).
+
+        Raises:
+            UserError: the table lacks a candidate.
+        """
+        for c in self.candidates:
+            table.step_ms(c)
+        return LabelDataset(self.ids, self.rows, {**self.meta, "step_costs": table.to_dict()})
 
 
 def load_label_dataset(path: str | Path) -> LabelDataset:

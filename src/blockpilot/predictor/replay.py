@@ -152,7 +152,7 @@ def replay_row(backend, input_ids: list[int], hint: list[int], settings: LabelSe
     y, taps, _ = greedy_continuation(target, input_ids, hint, settings, end_id, drafter.config.target_layer_ids)
     s, _ = tokens_needed(y, settings, end_id)
     k = len(settings.candidates)
-    lengths = replay_block_sizes(target, drafter, input_ids + y, p, settings.candidates, taps, stop_at=p + s)
+    lengths = _replay_lengths(target, drafter, input_ids + y, p, settings.candidates, taps, stop_at=p + s)
     steps = torch.tensor([[len(steps) for steps in lengths]], dtype=torch.int64)
     accepted = torch.tensor([[sum(steps) for steps in lengths]], dtype=torch.int64)
     draft_one = torch.tensor([[step_times["draft_s"][str(c)] for c in settings.candidates]], dtype=torch.float64)
@@ -161,6 +161,15 @@ def replay_row(backend, input_ids: list[int], hint: list[int], settings: LabelSe
     per_step = steps.double().clamp_min(1)
     return {**row, "steps": steps, "accepted": accepted, "new_tokens": torch.full((1, k), s + 1),
             **times, "tau": accepted.double() / per_step, "step_s": (times["draft_s"] + times["verify_s"]) / per_step}
+
+
+def _replay_lengths(target, drafter, ids: list[int], p: int, candidates, taps, stop_at: int) -> list[list[int]]:
+    """`replay_block_sizes` for every candidate; block size 1 (plain decoding) commits one token a step
+    and needs no drafter pass."""
+    drafted = [c for c in candidates if c > 1]
+    runs = iter(replay_block_sizes(target, drafter, ids, p, drafted, taps, stop_at=stop_at) if drafted else [])
+    plain = [1] * (min(stop_at, len(ids) - 1) - p)
+    return [plain if c == 1 else next(runs) for c in candidates]
 
 
 def replay_label_prompts(backend, prompts: list[tuple[int, str, list[int]]], hints: list[list[int]],
@@ -221,15 +230,18 @@ def _calibrate_prompt(backend, ids: list[int], candidates, reps: int, clock, raw
     prefill = backend.prefill(state, torch.tensor([ids], device=getattr(backend, "device", "cpu")))
     last = prefill.last_logits.argmax(-1)  # (1,) the greedy first token
     fresh = min(CALIBRATION_NEW_TAPS, n)
-    backend.draft(state, last, prefill.taps[:, :n - fresh], 0, n, candidates[0])
+    drafted = [c for c in candidates if c > 1]
+    if drafted:
+        backend.draft(state, last, prefill.taps[:, :n - fresh], 0, n, drafted[0])
     for rep in range(reps + 1):  # round 0 warms up
         shift = rep % len(candidates)
         for size in candidates[shift:] + candidates[:shift]:
             t0 = clock()
-            draft = backend.draft(state, last, prefill.taps[:, n - fresh:], n - fresh, n, size)
+            draft = (backend.draft(state, last, prefill.taps[:, n - fresh:], n - fresh, n, size) if size > 1
+                     else last.new_zeros(1, 0))  # block size 1: plain decoding, no drafter call
             t1 = clock()
             backend.verify(state, torch.cat((last[:, None], draft), dim=1), n)
             t2 = clock()
             if rep:
-                raw["draft_s"][str(size)].append(t1 - t0)
+                raw["draft_s"][str(size)].append(t1 - t0 if size > 1 else 0.0)
                 raw["verify_s"][str(size)].append(t2 - t1)

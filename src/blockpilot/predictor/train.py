@@ -39,6 +39,7 @@ class TrainSettings:
     test_fraction: float = 0.15
     threshold: float = 0.0
     seed: int = 0
+    candidates: tuple[int, ...] | None = None  # a subset of the datasets' candidates (None: all of them)
 
 
 @dataclasses.dataclass
@@ -65,12 +66,17 @@ def assemble(datasets: list[LabelDataset], settings: TrainSettings) -> TrainingD
         raise UserError(f"unknown objective {settings.objective!r}; use one of {', '.join(OBJECTIVES)}")
     if settings.features not in FEATURE_KINDS:
         raise UserError(f"unknown feature kind {settings.features!r}; use one of {', '.join(FEATURE_KINDS)}")
+    if settings.candidates is not None:
+        datasets = [d.restricted(tuple(settings.candidates)) for d in datasets]
     first = datasets[0]
     for other in datasets[1:]:
         for key in ("target_sha256", "drafter_sha256", "candidates", "b_train"):
             if other.meta.get(key) != first.meta.get(key):
                 raise UserError(f"datasets differ in {key} ({first.meta.get(key)!r} vs {other.meta.get(key)!r}); "
                                 "train on datasets labelled for the same models and candidates")
+        if _cost_source(other) != _cost_source(first):
+            raise UserError(f"datasets have step costs of {_cost_source(first)} and {_cost_source(other)}; "
+                            "label them with one table (--step-costs) or pass --step-costs to train-predictor")
     return TrainingData(
         features=torch.cat([d.rows[settings.features].float() for d in datasets]),
         temperature=torch.cat([torch.full((len(d), 1), float(d.meta["temperature"])) for d in datasets]),
@@ -79,6 +85,12 @@ def assemble(datasets: list[LabelDataset], settings: TrainSettings) -> TrainingD
         throughput=torch.cat([d.scores("throughput").double() for d in datasets]),
         candidates=first.candidates, b_train=first.b_train, meta=first.meta,
     )
+
+
+def _cost_source(dataset: LabelDataset) -> tuple | None:
+    """(backend, dtype, machine) of a dataset's step-cost table (None: measured per row, no table)."""
+    table = dataset.step_costs
+    return None if table is None else (table.backend, table.dtype, table.machine)
 
 
 def check_dataset_models(dataset: LabelDataset, target_dir: Path | None, drafter_dir: Path | None) -> None:
@@ -189,11 +201,14 @@ def _new_model(data: TrainingData, train: torch.Tensor, settings: TrainSettings)
 
 def _metadata(data: TrainingData, settings: TrainSettings, history: dict) -> dict[str, str]:
     """The predictor's `metadata_props`: `PredictorInfo` (read by the runtime) plus training facts."""
+    costs = data.meta.get("step_costs") if settings.objective == "throughput" else None
     info = PredictorInfo(
         candidates=data.candidates, feature_kind=settings.features, input_width=data.features.shape[1],
         objective=settings.objective, b_train=data.b_train, with_temperature=settings.with_temperature,
         target_sha256=data.meta["target_sha256"], drafter_sha256=data.meta["drafter_sha256"],
         threshold=float(settings.threshold),
+        cost_backend=costs["backend"] if costs else "", cost_dtype=costs["dtype"] if costs else "",
+        cost_machine=costs["machine"] if costs else "",
     )
     return {
         **info.to_metadata(), "hidden": str(settings.hidden), "rows": str(len(data.labels)),

@@ -88,7 +88,7 @@ def default_block_size(manifest: Manifest) -> int:
 
 def open_engine_dir(engine_dir: str | Path, *, backend: str | None = None, device: str | None = None,
                     predictor: str | Path | None = None, predictor_threshold: float | None = None,
-                    threads: int | None = None) -> OpenedEngineDir:
+                    threads: int | None = None, predictor_any_backend: bool = False) -> OpenedEngineDir:
     """Check `engine_dir` and open it.
 
     Args:
@@ -98,6 +98,7 @@ def open_engine_dir(engine_dir: str | Path, *, backend: str | None = None, devic
         predictor: a predictor `.onnx` to use instead of the directory's own `predictor.onnx`.
         predictor_threshold: overrides the predictor's fallback threshold.
         threads: onnxruntime intra-op threads (None: all cores).
+        predictor_any_backend: accept a predictor labelled with another backend's or dtype's step costs.
 
     Returns:
         The backend, the block-size policy (None without a predictor) and the defaults.
@@ -114,5 +115,6 @@ def open_engine_dir(engine_dir: str | Path, *, backend: str | None = None, devic
         from blockpilot.runtime.policy import load_policy
 
         policy = load_policy(predictor_path, opened, target_dir=engine_dir / manifest.target_dir,
-                             drafter_dir=engine_dir / manifest.drafter_dir, threshold=predictor_threshold)
+                             drafter_dir=engine_dir / manifest.drafter_dir, threshold=predictor_threshold,
+                             any_backend=predictor_any_backend)
     return OpenedEngineDir(opened, manifest, policy, default_block_size(manifest), engine_dir / manifest.target_dir)

@@ -15,8 +15,12 @@ the same code. Two kinds exist:
 
 A predictor is an ONNX file written by `blockpilot train-predictor`. Its graph maps `features`
 `(B, F)` float32 (and `temperature` `(B, 1)` float32 when trained with it) to `probabilities`
-`(B, K)`; its `metadata_props` say which candidates, feature kind, width and models it belongs to.
-onnxruntime is imported only when a predictor is loaded.
+`(B, K)`; its `metadata_props` say which candidates, feature kind, width and models it belongs to,
+and, for throughput labels, which backend, dtype and machine class the step costs were measured on.
+A candidate of 1 means plain decoding (no drafter call). A predictor whose step costs come from
+another backend or dtype than the runner's is refused (`load_policy`) unless the caller overrides it:
+its choices trade tau against costs that do not hold there. onnxruntime is imported only when a
+predictor is loaded.
 """
 
 from __future__ import annotations
@@ -149,6 +153,9 @@ class PredictorInfo:
     target_sha256: str
     drafter_sha256: str
     threshold: float
+    cost_backend: str = ""  # where the step costs of throughput labels were measured ("" unknown / tau labels)
+    cost_dtype: str = ""
+    cost_machine: str = ""
 
     @classmethod
     def from_metadata(cls, props: dict[str, str], source: str) -> "PredictorInfo":
@@ -168,6 +175,9 @@ class PredictorInfo:
             target_sha256=props["target_sha256"],
             drafter_sha256=props["drafter_sha256"],
             threshold=float(props.get("threshold", "0")),
+            cost_backend=props.get("cost_backend", ""),
+            cost_dtype=props.get("cost_dtype", ""),
+            cost_machine=props.get("cost_machine", ""),
         )
 
     def to_metadata(self) -> dict[str, str]:
@@ -179,7 +189,13 @@ class PredictorInfo:
             "with_temperature": "true" if self.with_temperature else "false",
             "target_sha256": self.target_sha256, "drafter_sha256": self.drafter_sha256,
             "threshold": repr(self.threshold),
+            **({"cost_backend": self.cost_backend, "cost_dtype": self.cost_dtype, "cost_machine": self.cost_machine}
+               if self.cost_backend else {}),
         }
+
+    def fits_precision(self, backend: str, dtype: str) -> bool:
+        """True when the step costs behind the labels were measured on `backend` at `dtype` (or are unknown)."""
+        return not self.cost_backend or (self.cost_backend, self.cost_dtype) == (backend, dtype)
 
 
 class OnnxBlockSizePolicy:
@@ -251,6 +267,13 @@ class OnnxBlockSizePolicy:
             raise UserError(f"predictor {self.path} may choose block size {unsupported[0]}, which this backend does "
                             f"not support; use a predictor whose candidates it supports, or rebuild for them")
 
+    def check_precision(self, backend: str, dtype: str) -> None:
+        """Raise `UserError` unless the predictor's step costs are those of `backend` at `dtype`."""
+        if not self.info.fits_precision(backend, dtype):
+            raise UserError(f"predictor {self.path} was labelled with {self.info.cost_backend} {self.info.cost_dtype} "
+                            f"step costs, this runner is {backend} {dtype}; label and train one for it (blockpilot "
+                            "label --step-costs ENGINE_DIR) or pass --predictor-any-backend to use it anyway")
+
     def check_models(self, target_dir: str | Path, drafter_dir: str | Path) -> None:
         """Raise `UserError` unless `target_dir` and `drafter_dir` hold the models the predictor was trained for."""
         for role, directory, expected in (("target", target_dir, self.info.target_sha256),
@@ -262,7 +285,7 @@ class OnnxBlockSizePolicy:
 
 
 def load_policy(path: str | Path, backend, *, target_dir: str | Path, drafter_dir: str | Path | None,
-                threshold: float | None = None) -> OnnxBlockSizePolicy:
+                threshold: float | None = None, any_backend: bool = False) -> OnnxBlockSizePolicy:
     """An `OnnxBlockSizePolicy` checked against a runner's backend and model directories.
 
     Args:
@@ -270,13 +293,18 @@ def load_policy(path: str | Path, backend, *, target_dir: str | Path, drafter_di
         backend: the runner's backend (`target_config`, `drafter_config`, `supports_block_size`).
         target_dir, drafter_dir: the model directories the backend was loaded from.
         threshold: see `OnnxBlockSizePolicy`.
+        any_backend: accept a predictor labelled with another backend's or dtype's step costs.
 
     Returns:
         The policy, falling back to the drafter's B_train.
     """
+    from blockpilot.runtime.step_costs import backend_precision
+
     dc = backend.drafter_config
     policy = OnnxBlockSizePolicy(path, threshold=threshold, fallback_block_size=dc.block_size if dc else None)
     policy.check_fits(backend.target_config, dc, backend.supports_block_size)
+    if not any_backend:
+        policy.check_precision(*backend_precision(backend))
     policy.check_models(target_dir, drafter_dir)
     return policy
 

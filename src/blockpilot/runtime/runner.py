@@ -105,13 +105,15 @@ class Runner:
     def from_dir(cls, model_dir: str | Path, *, drafter_dir: str | Path | None = None,
                  backend: str | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
                  max_block_size: int | None = None, predictor: str | Path | None = None,
-                 predictor_threshold: float | None = None) -> "Runner":
+                 predictor_threshold: float | None = None, predictor_any_backend: bool = False) -> "Runner":
         """Load a target (Hugging Face directory) and a DFlash drafter directory, or an engine
         directory (one with `manifest.json`: see `from_engine_dir`; `dtype` is then the build's).
 
         Without `drafter_dir` the runner can only decode autoregressively (block size 1). With
         `predictor` (an ONNX file from `blockpilot train-predictor`, checked against both models)
         block size "auto" is the default; `predictor_threshold` overrides its fallback threshold.
+        A predictor labelled with the step costs of another backend or dtype is refused unless
+        `predictor_any_backend`.
         """
         from blockpilot.models.checkpoint import load_drafter, load_target
         from blockpilot.models.config import check_drafter_fits_target
@@ -121,7 +123,8 @@ class Runner:
             if drafter_dir is not None:
                 raise UserError(f"{model_dir} is an engine directory with its own drafter; do not pass drafter_dir")
             return cls.from_engine_dir(model_dir, backend=backend, device=device, predictor=predictor,
-                                       predictor_threshold=predictor_threshold)
+                                       predictor_threshold=predictor_threshold,
+                                       predictor_any_backend=predictor_any_backend)
         device = device or "cpu"
         if dtype == torch.float16 and drafter_dir is not None and str(device).startswith("cpu"):
             raise UserError("fp16 on the CPU rounds each row differently with the number of rows a step carries, "
@@ -141,12 +144,13 @@ class Runner:
             from blockpilot.runtime.policy import load_policy
 
             policy = load_policy(predictor, torch_backend, target_dir=model_dir, drafter_dir=drafter_dir,
-                                 threshold=predictor_threshold)
+                                 threshold=predictor_threshold, any_backend=predictor_any_backend)
         return cls(torch_backend, policy=policy, end_id=_read_eos_id(Path(model_dir)))
 
     @classmethod
     def from_engine_dir(cls, engine_dir: str | Path, *, backend: str | None = None, device: str | None = None,
-                        predictor: str | Path | None = None, predictor_threshold: float | None = None) -> "Runner":
+                        predictor: str | Path | None = None, predictor_threshold: float | None = None,
+                        predictor_any_backend: bool = False) -> "Runner":
         """Load an engine directory written by `blockpilot build` (manifest and file hashes checked).
 
         `backend`: "torch", "onnxruntime", "tensorrt", or None for the fastest usable one. The
@@ -155,7 +159,7 @@ class Runner:
         from blockpilot.runtime.engine_dir import open_engine_dir
 
         opened = open_engine_dir(engine_dir, backend=backend, device=device, predictor=predictor,
-                                 predictor_threshold=predictor_threshold)
+                                 predictor_threshold=predictor_threshold, predictor_any_backend=predictor_any_backend)
         return cls(opened.backend, policy=opened.policy, default_block_size=opened.default_block_size,
                    end_id=_read_eos_id(opened.target_dir))
 

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Label, train and ship the block-size predictor of the embedded default for the drafter that is in
+# src/blockpilot/assets/drafters/ now (rerun it after the drafter changes: the predictor is pinned to
+# the drafter's weights, and the embedded engine dir rebuilds when the predictor file changes).
+#
+#   scripts/make_predictor.sh                 # everything, T = 0 exact replay on the held-out split
+#   LIMIT=64 scripts/make_predictor.sh        # fewer prompts (the dataset resumes: rerun to add more)
+#   SAMPLED=32 scripts/make_predictor.sh      # also label 32 prompts by sampled decoding at T = 0.7 and 1
+#
+# Environment (defaults in brackets):
+#   ANSWERS [data/smollm2-answers-9831.jsonl.gz]  the answers file the drafter was trained on
+#   VALID [256]  SEED [0]   the drafter's `train-drafter --valid/--seed`: its held-out split is labelled
+#   CANDIDATES [1,2,3,4,6,8,10,12,16]   1 = plain decoding
+#   MAX_NEW [96]   LIMIT [all]   RUNS [runs/predictor]
+#   STEP_COSTS [the embedded engine dir]  engine dir or JSON whose step-cost table scores the labels
+#   SAMPLED [0]   prompts labelled by sampled decoding at T = 0.7 and 1 (slow: every candidate decoded)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+BP=${BP:-.venv/bin/blockpilot}
+ANSWERS=${ANSWERS:-data/smollm2-answers-9831.jsonl.gz}
+VALID=${VALID:-256}
+SEED=${SEED:-0}
+CANDIDATES=${CANDIDATES:-1,2,3,4,6,8,10,12,16}
+MAX_NEW=${MAX_NEW:-96}
+RUNS=${RUNS:-runs/predictor}
+SAMPLED=${SAMPLED:-0}
+DRAFTER=src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8
+OUT=src/blockpilot/assets/predictors/smollm2-135m-instruct-dflash-b8.onnx
+export OMP_NUM_THREADS=1  # one torch thread: the labelling clock is this process's compute
+mkdir -p "$RUNS"
+
+# The step-cost table of the backend that runs the embedded default (onnxruntime fp32 engine dir).
+if [[ -z "${STEP_COSTS:-}" ]]; then
+  STEP_COSTS="$RUNS/step-costs.json"
+  if [[ ! -f "$STEP_COSTS" ]]; then
+    "$PY" - "$STEP_COSTS" <<'EOF'
+import json, sys
+from blockpilot.builder.embedded import embedded_engine_dir
+from blockpilot.runtime.step_costs import measure_engine_dir
+table = measure_engine_dir(embedded_engine_dir(), backend="onnxruntime")
+open(sys.argv[1], "w").write(json.dumps(table.to_dict(), indent=1) + "\n")
+print(json.dumps(table.to_dict()))
+EOF
+  fi
+fi
+
+"$PY" scripts/heldout_split.py --answers "$ANSWERS" --valid "$VALID" --seed "$SEED" --out "$RUNS/heldout.jsonl"
+"$BP" label --drafter "$DRAFTER" --replay-answers "$RUNS/heldout.jsonl" --candidates "$CANDIDATES" \
+    --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${LIMIT:+--limit "$LIMIT"} --out "$RUNS/labels-t0" \
+    --clock cpu --calibration-prompts 1 --calibration-reps 2 \
+    --note "held-out split of $ANSWERS (--valid $VALID --seed $SEED), T = 0 exact replay"
+datasets=(--dataset "$RUNS/labels-t0")
+if (( SAMPLED > 0 )); then
+  for t in 0.7 1.0; do
+    "$BP" label --drafter "$DRAFTER" --prompts "$RUNS/heldout.jsonl" --candidates "$CANDIDATES" \
+        --step-costs "$STEP_COSTS" --temperature "$t" --max-new-tokens "$MAX_NEW" --limit "$SAMPLED" \
+        --out "$RUNS/labels-t$t" --clock cpu
+    datasets+=(--dataset "$RUNS/labels-t$t")
+  done
+fi
+temperature=$( (( SAMPLED > 0 )) && echo --with-temperature || true)
+"$BP" train-predictor "${datasets[@]}" --objective throughput --features pooled --hidden 256 $temperature \
+    --target "$("$PY" -c "from blockpilot.assets.smollm2 import smollm2_dir; print(smollm2_dir())")" \
+    --drafter "$DRAFTER" --out "$OUT"
+echo "wrote $OUT (report beside it); the embedded engine dir rebuilds on next use"

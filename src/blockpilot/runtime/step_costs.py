@@ -1,0 +1,124 @@
+"""Step costs: median milliseconds of the backend calls a decode step makes, timed as the loop calls them.
+
+    prefill of `context` tokens, then
+    verify(K tokens at that position)          K = 1 is a plain decoding step
+    draft(block of K, one new context position) K >= 2
+
+`time_backend` is the instrument (`scripts/bench_steps.py` prints it for every backend and dtype,
+`blockpilot build` stores it in the manifest through `measure_step_costs`). Speculation at block
+size K pays when tau(K) / (verify(K) + draft(K)) beats 1 / verify(1), which is what the
+throughput labels of `blockpilot label` compare (`blockpilot.builder.manifest.StepCosts`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from blockpilot.builder.manifest import StepCosts
+
+DEFAULT_CONTEXT = 256
+DEFAULT_REPEATS = 7
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of `repeats` calls of `fn` after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_backend(backend, sizes: Iterable[int], context: int, repeats: int) -> tuple[dict, dict, float | None]:
+    """Median ms of verify(K) and draft(K) on `backend` at a cache of `context` tokens.
+
+    Args:
+        backend: a `Backend` (with a drafter for the draft timings).
+        sizes: K values; those the backend does not support are skipped; draft is timed for K >= 2.
+        context: tokens of (random) prompt prefilled before the timed calls.
+        repeats: timed calls per point.
+
+    Returns:
+        (verify_ms {K: ms}, draft_ms {K: ms}, one_row_ms): the last is an unpadded 1-row step when
+        the backend pads plain decoding to `min_rows` rows (else None).
+    """
+    sizes = [k for k in sorted(set(sizes)) if backend.supports_block_size(k)]
+    vocab = backend.target_config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (1, context), generator=generator)
+    device = getattr(backend, "device", "cpu")
+    state = backend.new_state(1, context + 2 * max(sizes) + 2)
+    prefill = backend.prefill(state, prompt.to(device))
+    last = torch.tensor([5], device=device)
+    verify_ms, draft_ms, one_row = {}, {}, None
+    if getattr(backend, "min_rows", 1) > 1:  # what the padding row of plain decoding costs
+        rows, backend.min_rows = backend.min_rows, 1
+        one_row = 1e3 * median_seconds(lambda: backend.verify(state, last[:, None], context), repeats)
+        backend.min_rows = rows
+    for k in sizes:
+        block = torch.randint(3, vocab, (1, k), generator=generator).to(device)
+        verify_ms[k] = 1e3 * median_seconds(lambda: backend.verify(state, block, context), repeats)
+        if k >= 2 and backend.drafter_config is not None:
+            taps = prefill.taps[:, -1:]
+            draft_ms[k] = 1e3 * median_seconds(
+                lambda: backend.draft(state, last, taps, context - 1, context, k), repeats)
+    return verify_ms, draft_ms, one_row
+
+
+def backend_precision(backend) -> tuple[str, str]:
+    """(backend name, dtype name) of a `Backend`: e.g. ("onnxruntime", "fp32"), ("torch", "bf16")."""
+    manifest = getattr(backend, "manifest", None)
+    if manifest is not None:
+        return backend.name, manifest.dtype
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return backend.name, names.get(getattr(backend, "dtype", torch.float32), str(getattr(backend, "dtype", "")))
+
+
+def machine_class(device: str = "cpu") -> str:
+    """What the costs hold for: the CPU model and core count ("AMD EPYC 9B14 x2"), or the CUDA GPU's name."""
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model or platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def measure_step_costs(backend, block_sizes: Iterable[int], *, context: int = DEFAULT_CONTEXT,
+                       repeats: int = DEFAULT_REPEATS) -> StepCosts:
+    """The step-cost table of `backend` at K = 1 and every size of `block_sizes` (a few seconds).
+
+    `context` is lowered to what the backend's cache holds beside the largest block.
+    """
+    sizes = sorted({1, *block_sizes})
+    context = max(1, min(context, backend.max_capacity - 2 * max(sizes) - 2))
+    verify_ms, draft_ms, _ = time_backend(backend, sizes, context, repeats)
+    name, dtype = backend_precision(backend)
+    threads = torch.get_num_threads() if name == "torch" else None  # onnxruntime: its shared pool
+    return StepCosts(name, dtype, machine_class(getattr(backend, "device", "cpu")), context,
+                     {k: round(v, 4) for k, v in verify_ms.items()}, {k: round(v, 4) for k, v in draft_ms.items()},
+                     threads)
+
+
+def measure_engine_dir(engine_dir: Path, *, context: int = DEFAULT_CONTEXT, repeats: int = DEFAULT_REPEATS,
+                       backend: str | None = None) -> StepCosts:
+    """`measure_step_costs` on the graphs of an engine directory, opened as `Runner.from_dir` would
+    (its fastest usable backend unless `backend` is given), at every built block size."""
+    from blockpilot.runtime.engine_dir import open_engine_dir
+
+    opened = open_engine_dir(engine_dir, backend=backend)
+    return measure_step_costs(opened.backend, opened.manifest.block_sizes, context=context, repeats=repeats)
