@@ -116,10 +116,6 @@ class BatchDecoder:
     # ---------------------------------------------------------------- requests in and out
 
     def add(self, request: GenerationRequest, result=None) -> int:
-        with self._loop_threads():
-            return self._add(request, result)
-
-    def _add(self, request: GenerationRequest, result=None) -> int:
         """Check, prefill and place one request; returns its id. Its first token (from prefill) is
         reported by the next `step`. `result`: a `RequestResult` to fill (a new one by default).
 
@@ -127,6 +123,10 @@ class BatchDecoder:
             UserError: empty prompt, ids outside the vocabulary, too long for the cache, bad block
                 size or sampling parameters.
         """
+        with self._loop_threads():
+            return self._add(request, result)
+
+    def _add(self, request: GenerationRequest, result=None) -> int:
         from blockpilot.runtime.runner import RequestResult
 
         runner, be, clock = self.runner, self.backend, self.runner.clock
