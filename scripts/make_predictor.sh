@@ -46,14 +46,14 @@ EOF
 fi
 
 "$PY" scripts/heldout_split.py --answers "$ANSWERS" --valid "$VALID" --seed "$SEED" --out "$RUNS/heldout.jsonl"
-"$BP" label --drafter "$DRAFTER" --replay-answers "$RUNS/heldout.jsonl" --candidates "$CANDIDATES" \
+"$BP" label --drafter "$DRAFTER" --replay-answers "$RUNS/heldout.jsonl" --block-sizes "$CANDIDATES" \
     --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${LIMIT:+--limit "$LIMIT"} --out "$RUNS/labels-t0" \
     --clock cpu --calibration-prompts 1 --calibration-reps 2 \
     --note "held-out split of $ANSWERS (--valid $VALID --seed $SEED), T = 0 exact replay"
 datasets=(--dataset "$RUNS/labels-t0")
 if (( SAMPLED > 0 )); then
   for t in 0.7 1.0; do
-    "$BP" label --drafter "$DRAFTER" --prompts "$RUNS/heldout.jsonl" --candidates "$CANDIDATES" \
+    "$BP" label --drafter "$DRAFTER" --prompts "$RUNS/heldout.jsonl" --block-sizes "$CANDIDATES" \
         --step-costs "$STEP_COSTS" --temperature "$t" --max-new-tokens "$MAX_NEW" --limit "$SAMPLED" \
         --out "$RUNS/labels-t$t" --clock cpu
     datasets+=(--dataset "$RUNS/labels-t$t")

@@ -239,6 +239,7 @@ def test_build_measures_step_costs_on_the_built_graphs(tmp_path_factory):
     manifest = read_manifest(tiny_engine_dir(tmp_path_factory))  # built with `blockpilot build`
     costs = manifest.step_costs
     assert (costs.backend, costs.dtype) == ("onnxruntime", "fp32") and costs.machine
-    assert sorted(costs.target_ms) == [1, 3, 5] and sorted(costs.drafter_ms) == [3, 5]
-    assert all(ms > 0 for ms in [*costs.target_ms.values(), *costs.drafter_ms.values()])
+    assert sorted(costs.target_ms) == sorted(costs.loop_ms) == [1, 3, 5] and sorted(costs.drafter_ms) == [3, 5]
+    assert all(ms > 0 for ms in [*costs.target_ms.values(), *costs.drafter_ms.values(), *costs.loop_ms.values()])
+    assert costs.step_ms(3) == costs.loop_ms[3]  # whole loop steps, when measured, are the cost of a step
     assert 0 < costs.context < TINY_MAX_SEQ_LEN

@@ -82,7 +82,7 @@ def test_shared_options_mean_the_same_in_every_command():
             if flag in seen:
                 seen[flag].append((command, action))
     assert {c for c, _ in seen["--device"]} >= {"generate", "demo", "profile", "label", "answer", "train-drafter"}
-    assert {c for c, _ in seen["--block-sizes"]} == {"build", "label", "profile"}
+    assert {c for c, _ in seen["--block-sizes"]} == {"build", "label", "profile", "train-predictor"}
     for command, action in seen["--device"]:
         assert action.default == "auto" and action.help == seen["--device"][0][1].help, command
     for command, action in seen["--dtype"]:

@@ -151,7 +151,7 @@ def test_label_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
 
     fails(["--prompts", str(empty), "--out", str(tmp_path / "a")], "has no prompts")
     fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "9-x"], "'9-x' is not a size")
-    fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--candidates", "8"], "at least two")
+    fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "8"], "at least two")
     fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "8"], "at least two")
     assert cli.main(base + ["--prompts", str(prompts), "--out", str(tmp_path / "c")]) == 0
     other_target = make_hf_target(tmp, "llama", seed=5)

@@ -153,7 +153,7 @@ def test_throughput_labels_use_the_given_step_cost_table_and_the_predictor_recor
     table = StepCosts("onnxruntime", "fp32", "test machine x2", 16, {1: 10.0, 4: 900.0}, {4: 100.0})
     (tmp_path / "costs.json").write_text(json.dumps(table.to_dict()))
     assert cli.main(["label", "--target", str(target), "--drafter", str(drafter), "--replay-answers", str(answers),
-                     "--candidates", "1,4", "--step-costs", str(tmp_path / "costs.json"), "--max-new-tokens",
+                     "--block-sizes", "1,4", "--step-costs", str(tmp_path / "costs.json"), "--max-new-tokens",
                      str(MAX_NEW), "--out", str(tmp_path / "ds"), "--calibration-prompts", "1",
                      "--calibration-reps", "1"]) == 0
     ds = load_label_dataset(tmp_path / "ds")

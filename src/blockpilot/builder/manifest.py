@@ -101,8 +101,10 @@ class StepCosts:
 
     `target_ms[k]`: a target forward (verify) of k query tokens at `context` tokens of cache; k = 1
     is a plain decoding step (on onnxruntime it carries the padding row plain decoding runs with).
-    `drafter_ms[k]`: one drafter call proposing a block of k (k >= 2). A speculative step at block
-    size k costs `target_ms[k] + drafter_ms[k]`, a plain one `target_ms[1]` (`step_ms`).
+    `drafter_ms[k]`: one drafter call proposing a block of k (k >= 2). `loop_ms[k]` (optional): a
+    whole decode step of the runtime's loop at block size k (draft, verify, acceptance and cache
+    bookkeeping), from wall time over a short generation. A step at block size k costs `loop_ms[k]`
+    when measured, else `target_ms[k] + drafter_ms[k]` (a plain one `target_ms[1]`): `step_ms`.
     """
 
     backend: str  # "torch" | "onnxruntime" | "tensorrt"
@@ -112,6 +114,7 @@ class StepCosts:
     target_ms: dict[int, float]
     drafter_ms: dict[int, float]
     threads: int | None = None
+    loop_ms: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def step_ms(self, block_size: int) -> float:
         """Milliseconds of one decode step at `block_size` (1: plain decoding, no drafter call).
@@ -122,19 +125,23 @@ class StepCosts:
         if block_size not in self.target_ms or (block_size > 1 and block_size not in self.drafter_ms):
             raise UserError(f"the step-cost table ({self.backend} {self.dtype}) has no block size {block_size} "
                             f"(it has {sorted(self.target_ms)}); measure it on an engine dir built for that size")
+        if block_size in self.loop_ms:
+            return self.loop_ms[block_size]
         return self.target_ms[block_size] + (self.drafter_ms[block_size] if block_size > 1 else 0.0)
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "dtype": self.dtype, "machine": self.machine, "context": self.context,
                 "threads": self.threads, "target_ms": {str(k): v for k, v in sorted(self.target_ms.items())},
-                "drafter_ms": {str(k): v for k, v in sorted(self.drafter_ms.items())}}
+                "drafter_ms": {str(k): v for k, v in sorted(self.drafter_ms.items())},
+                "loop_ms": {str(k): v for k, v in sorted(self.loop_ms.items())}}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "StepCosts":
         return cls(str(raw["backend"]), str(raw["dtype"]), str(raw["machine"]), int(raw["context"]),
                    {int(k): float(v) for k, v in raw["target_ms"].items()},
                    {int(k): float(v) for k, v in raw["drafter_ms"].items()},
-                   None if raw.get("threads") is None else int(raw["threads"]))
+                   None if raw.get("threads") is None else int(raw["threads"]),
+                   {int(k): float(v) for k, v in raw.get("loop_ms", {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -160,6 +160,9 @@ def add_model_args(parser, *, peers: bool = False) -> None:
                           "are given" if peers else "; not with --target/--drafter"))
     group.add_argument("--predictor", type=Path, help="block-size predictor .onnx (blockpilot train-predictor) "
                        "for block size auto; overrides the shipped one or the engine dir's")
+    group.add_argument("--predictor-any-backend", action="store_true",
+                       help="use a predictor labelled with another backend's or dtype's step costs (refused "
+                       "otherwise: its choices trade tau against costs that do not hold here)")
     group.add_argument("--backend", choices=BACKENDS,
                        help="runtime backend; model dirs run on torch, an engine dir by default on the "
                        "fastest usable one (tensorrt with engines and a GPU, else onnxruntime for fp32/fp16)")
@@ -191,6 +194,7 @@ class ModelChoice:
     runner_device: str | None
     dtype: str
     embedded_engine: bool = False  # the engine dir is the embedded default's cached one
+    predictor_any_backend: bool = False  # accept a predictor labelled for another backend or dtype
 
 
 def resolve_models(args: argparse.Namespace, *, peers: bool = False) -> ModelChoice:
@@ -226,8 +230,24 @@ def resolve_models(args: argparse.Namespace, *, peers: bool = False) -> ModelCho
 
         return _engine_choice(args, embedded_engine_dir(), None, None, predictor, device, peers, embedded=True)
     if target is None:
-        target, drafter, predictor = _embedded_default(drafter, predictor)
-    return ModelChoice(target, drafter, predictor, None, target, "torch", device, device, args.dtype or "fp32")
+        target, drafter, shipped = _embedded_default(drafter, predictor)
+        predictor = predictor or _shipped_predictor_for(shipped, "torch", args.dtype or "fp32", args)
+    return ModelChoice(target, drafter, predictor, None, target, "torch", device, device, args.dtype or "fp32",
+                       predictor_any_backend=_any_backend(args))
+
+
+def _any_backend(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "predictor_any_backend", False))
+
+
+def _shipped_predictor_for(path: Path | None, backend: str, dtype: str, args: argparse.Namespace) -> Path | None:
+    """The shipped predictor when its step costs are this backend's and dtype's (or the user overrides), else
+    None: the embedded default then decodes at its default block size instead of refusing to start."""
+    if path is None or _any_backend(args):
+        return path
+    from blockpilot.runtime.policy import OnnxBlockSizePolicy
+
+    return path if OnnxBlockSizePolicy(path).info.fits_precision(backend, dtype) else None
 
 
 def _embedded_engine_applies(args: argparse.Namespace, device: str) -> bool:
@@ -261,7 +281,7 @@ def _engine_choice(args, engine: Path, target, drafter, predictor, device: str, 
     # device, or the torch backend, gets the resolved device.
     runner_device = None if args.device == "auto" and args.backend != "torch" else device
     return ModelChoice(target, drafter, predictor, engine, tokenizer, args.backend, device, runner_device,
-                       manifest.dtype, embedded)
+                       manifest.dtype, embedded, _any_backend(args))
 
 
 def _embedded_default(drafter: Path | None, predictor: Path | None) -> tuple[Path, Path | None, Path | None]:
@@ -291,7 +311,7 @@ def _open_engine_runner(choice: ModelChoice):
 
     def open_it(engine_dir: Path):
         return Runner.from_dir(engine_dir, backend=choice.backend, device=choice.runner_device,
-                               predictor=choice.predictor)
+                               predictor=choice.predictor, predictor_any_backend=choice.predictor_any_backend)
 
     if not choice.embedded_engine:
         return open_it(choice.engine_dir)
@@ -315,7 +335,7 @@ def open_runner(args: argparse.Namespace) -> OpenedRunner:
     else:
         runner = Runner.from_dir(choice.target, drafter_dir=choice.drafter, backend=choice.backend,
                                  device=choice.runner_device, dtype=torch_dtype(choice.dtype),
-                                 predictor=choice.predictor)
+                                 predictor=choice.predictor, predictor_any_backend=choice.predictor_any_backend)
     note = None
     if runner.backend.drafter_config is None:
         note = "no drafter, decoding autoregressively (block size 1); pass --drafter DIR for speculation"

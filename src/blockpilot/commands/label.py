@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
                    help="replay: time draft + verify on this many prompts")
     p.add_argument("--calibration-reps", type=int, default=5, help="replay: timed rounds per prompt")
     p.add_argument("--note", default="", help="free text stored in the dataset's meta.json")
-    p.add_argument("--candidates", "--block-sizes", dest="block_sizes", type=argument_type(parse_block_sizes),
+    p.add_argument("--block-sizes", type=argument_type(parse_block_sizes),
                    metavar="LIST", help=f"candidate block sizes, at least two, e.g. {BLOCK_SIZES_EXAMPLE} or "
                    "1,4,6,8,10,12,16; 1 is plain decoding (default: 1 and the drafter's training block size +- 2)")
     p.add_argument("--step-costs", type=Path, metavar="PATH",
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from blockpilot.predictor.labelling import LabelJob, run_label_job
 
     if args.block_sizes is not None and len(args.block_sizes) < 2:
-        raise UserError(f"--candidates {','.join(map(str, args.block_sizes))}: label needs at least two "
+        raise UserError(f"--block-sizes {','.join(map(str, args.block_sizes))}: label needs at least two "
                         "candidate block sizes")
     if args.step_costs is not None and not args.step_costs.exists():
         raise UserError(f"--step-costs {args.step_costs}: no such engine directory or file")

@@ -111,7 +111,8 @@ def _sources(args):
 
     m = resolve_models(args, peers=True)
     return ModelSources(m.target, m.drafter, m.engine_dir, m.backend if m.engine_dir else None, m.device,
-                        torch_dtype(m.dtype), m.predictor, args.predictor_threshold, m.tokenizer)
+                        torch_dtype(m.dtype), m.predictor, args.predictor_threshold, m.tokenizer,
+                        m.predictor_any_backend)
 
 
 def _names(text: str) -> list[str]:

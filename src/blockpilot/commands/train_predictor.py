@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from blockpilot.commands.common import argument_type, parse_block_sizes
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -37,8 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threshold", type=float, default=0.0,
                    help="stored fallback threshold: below this top probability the runtime uses B_train")
     p.add_argument("--seed", type=int, default=0, help="random seed (splits, initialisation, batches)")
-    p.add_argument("--candidates", metavar="LIST",
-                   help="train over a subset of the datasets' candidates, e.g. 1,4,8 (default: all of them)")
+    p.add_argument("--block-sizes", type=argument_type(parse_block_sizes), metavar="LIST",
+                   help="train over a subset of the datasets' candidate block sizes, e.g. 1,4,8 (default: all)")
     p.add_argument("--step-costs", type=Path, metavar="PATH",
                    help="score throughput with this step-cost table instead of the datasets' own: an engine dir "
                    "(`blockpilot build` measures it) or a JSON file; the predictor is then for its backend/dtype")
@@ -64,11 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
         table = read_step_costs(args.step_costs)
         datasets = [dataset.with_step_costs(table) for dataset in datasets]
-    candidates = None
-    if args.candidates is not None:
-        from blockpilot.commands.common import parse_block_sizes
 
-        candidates = parse_block_sizes(args.candidates)
     for dataset in datasets:
         check_dataset_models(dataset, args.target, args.drafter)
     settings = TrainSettings(
@@ -76,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         with_temperature=args.with_temperature, lr=args.lr, weight_decay=args.weight_decay,
         batch_size=args.batch_size, max_epochs=args.max_epochs, patience=args.patience,
         val_fraction=args.val_fraction, test_fraction=args.test_fraction, threshold=args.threshold, seed=args.seed,
-        candidates=candidates,
+        candidates=args.block_sizes,
     )
     report = train_predictor(datasets, settings, args.out)
     split = report["splits"][report["evaluated_on"]]

@@ -72,6 +72,7 @@ class ModelSources:
         predictor: block-size predictor `.onnx` for our runner (overrides an engine dir's).
         predictor_threshold: overrides the predictor's fallback threshold.
         tokenizer_dir: where the tokenizer is (None: `target_dir`).
+        predictor_any_backend: accept a predictor labelled for another backend's or dtype's step costs.
     """
 
     target_dir: Path | None
@@ -83,6 +84,7 @@ class ModelSources:
     predictor: Path | None = None
     predictor_threshold: float | None = None
     tokenizer_dir: Path | None = None
+    predictor_any_backend: bool = False
 
 
 class Models:
@@ -111,7 +113,7 @@ class Models:
         if self._runner is None:
             s = self.sources
             common = dict(backend=s.backend, device=s.device, predictor=s.predictor,
-                          predictor_threshold=s.predictor_threshold)
+                          predictor_threshold=s.predictor_threshold, predictor_any_backend=s.predictor_any_backend)
             if s.engine_dir is not None:  # the engine's own drafter, dtype and (unless given) predictor
                 self._runner = Runner.from_dir(s.engine_dir, **common)
             else:

@@ -5,7 +5,9 @@
     draft(block of K, one new context position) K >= 2
 
 `time_backend` is the instrument (`scripts/bench_steps.py` prints it for every backend and dtype,
-`blockpilot build` stores it in the manifest through `measure_step_costs`). Speculation at block
+`blockpilot build` stores it in the manifest through `measure_step_costs`). `time_decode_loop` times
+whole steps of `Runner.generate` at each block size (what the kernels above leave out: acceptance,
+cache bookkeeping, Python), which is what the throughput labels use when present. Speculation at block
 size K pays when tau(K) / (verify(K) + draft(K)) beats 1 / verify(1), which is what the
 throughput labels of `blockpilot label` compare (`blockpilot.builder.manifest.StepCosts`).
 """
@@ -98,27 +100,51 @@ def machine_class(device: str = "cpu") -> str:
     return f"{model or platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
-def measure_step_costs(backend, block_sizes: Iterable[int], *, context: int = DEFAULT_CONTEXT,
-                       repeats: int = DEFAULT_REPEATS) -> StepCosts:
-    """The step-cost table of `backend` at K = 1 and every size of `block_sizes` (a few seconds).
+def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int) -> dict[int, float]:
+    """Wall ms per decode step of `runner.generate` at each block size (prefill and predictor excluded).
 
-    `context` is lowered to what the backend's cache holds beside the largest block.
+    A random prompt of `context` tokens is decoded for `new_tokens` tokens (after a short warm-up
+    generation) at each size; acceptance barely matters for the cost of a step, so random text serves.
+    """
+    vocab = runner.backend.target_config.vocab_size
+    prompt = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(1))
+    loop_ms = {}
+    for k in sorted(set(sizes)):
+        runner.generate([prompt], max_new_tokens=4, end_id=-1, block_size=k, return_dict=True)
+        start = time.perf_counter()
+        out = runner.generate([prompt], max_new_tokens=new_tokens, end_id=-1, block_size=k, return_dict=True)
+        wall = time.perf_counter() - start - out["timings"][0]["prefill_s"] - out["timings"][0]["predictor_s"]
+        loop_ms[k] = round(1e3 * wall / max(1, len(out["accept_lengths"][0])), 4)
+    return loop_ms
+
+
+def measure_step_costs(backend, block_sizes: Iterable[int], *, context: int = DEFAULT_CONTEXT,
+                       repeats: int = DEFAULT_REPEATS, runner=None, loop_tokens: int = 32) -> StepCosts:
+    """The step-cost table of `backend` at K = 1 and every size of `block_sizes` (seconds).
+
+    `context` is lowered to what the backend's cache holds beside the largest block. With `runner`
+    (a `Runner` over `backend`) whole loop steps are timed too (`time_decode_loop`, `loop_tokens` each).
     """
     sizes = sorted({1, *block_sizes})
-    context = max(1, min(context, backend.max_capacity - 2 * max(sizes) - 2))
+    room = backend.max_capacity - 2 * max(sizes) - 2  # the timed calls' cache beside the largest block
+    loop_tokens = max(4, min(loop_tokens, room // 2))
+    context = max(1, min(context, room - loop_tokens))
     verify_ms, draft_ms, _ = time_backend(backend, sizes, context, repeats)
+    loop_ms = time_decode_loop(runner, sizes, context, loop_tokens) if runner is not None else {}
     name, dtype = backend_precision(backend)
     threads = torch.get_num_threads() if name == "torch" else None  # onnxruntime: its shared pool
     return StepCosts(name, dtype, machine_class(getattr(backend, "device", "cpu")), context,
                      {k: round(v, 4) for k, v in verify_ms.items()}, {k: round(v, 4) for k, v in draft_ms.items()},
-                     threads)
+                     threads, loop_ms)
 
 
 def measure_engine_dir(engine_dir: Path, *, context: int = DEFAULT_CONTEXT, repeats: int = DEFAULT_REPEATS,
                        backend: str | None = None) -> StepCosts:
-    """`measure_step_costs` on the graphs of an engine directory, opened as `Runner.from_dir` would
-    (its fastest usable backend unless `backend` is given), at every built block size."""
-    from blockpilot.runtime.engine_dir import open_engine_dir
+    """`measure_step_costs` (kernels and loop steps) on the graphs of an engine directory, opened as
+    `Runner.from_dir` would (its fastest usable backend unless `backend` is given), at every built block size."""
+    from blockpilot.builder.manifest import read_manifest
+    from blockpilot.runtime.runner import Runner
 
-    opened = open_engine_dir(engine_dir, backend=backend)
-    return measure_step_costs(opened.backend, opened.manifest.block_sizes, context=context, repeats=repeats)
+    runner = Runner.from_dir(engine_dir, backend=backend, predictor_any_backend=True)
+    sizes = read_manifest(engine_dir, verify_files=False).block_sizes
+    return measure_step_costs(runner.backend, sizes, context=context, repeats=repeats, runner=runner)
