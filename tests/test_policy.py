@@ -147,6 +147,22 @@ def test_temperature_input_reaches_the_predictor(models):
         assert out["block_sizes"] == [expected]
 
 
+def test_a_predictor_labelled_only_at_t0_leaves_sampled_requests_to_plain_decoding(models, confident_predictor):
+    """No temperature input and labels made at T = 0 only: at T = 1 it does not choose (plain decoding);
+    at T = 0, and for a predictor whose metadata names no temperatures, it does."""
+    tmp, target, drafter = models
+    t0_only = _with_metadata(confident_predictor, tmp / "t0.onnx", temperatures="[0.0]")
+    runner = Runner.from_dir(target, drafter_dir=drafter, predictor=t0_only)
+    for temperature, expected in ((0.0, 10), (0.03, 10), (1.0, 1)):
+        out = runner.generate([torch.tensor(PROMPT)], max_new_tokens=4, end_id=-1, temperature=temperature,
+                              random_seed=0, return_dict=True)
+        assert out["block_sizes"] == [expected], temperature
+    runner = Runner.from_dir(target, drafter_dir=drafter, predictor=confident_predictor)
+    out = runner.generate([torch.tensor(PROMPT)], max_new_tokens=4, end_id=-1, temperature=1.0, random_seed=0,
+                          return_dict=True)
+    assert out["block_sizes"] == [10]
+
+
 def test_predictor_trained_for_other_models_is_rejected(models, confident_predictor):
     tmp, target, drafter = models
     other = _with_metadata(confident_predictor, tmp / "other.onnx", target_sha256="0" * 64)
