@@ -12,7 +12,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "answer",
         help="answer training prompts with the target (greedy, batched) into a JSONL file for train-drafter",
-        description="Self-distillation data: the target answers each prompt greedily (fp32, batched by length). "
+        description="Self-distillation data: the target answers each prompt greedily in fp32, batched: on the CPU through "
+        "onnxruntime plain decoding with continuous batching (an engine directory), else transformers generate. "
         "Rows {source, prompt, answer, answer_ids, finish} are appended to --out; prompts already answered "
         "there are skipped, so rerunning resumes. Feed the file to `train-drafter --answers`.",
     )
@@ -22,8 +23,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", type=Path, required=True, help="answers JSONL (appended to; resumes)")
     p.add_argument("--limit", type=int, help="answer only the first N prompts of the file")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per generate() call")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     p.add_argument("--time-budget", type=float, help="minutes; no new batch starts after it (resume later)")
+    p.add_argument("--backend", choices=("auto", "onnxruntime", "torch"), default="auto",
+                   help="onnxruntime: plain decoding of an engine directory's target, continuously batched (the "
+                   "embedded default's cached engine dir, or --engine-dir); torch: transformers generate; auto: "
+                   "onnxruntime on the CPU when an engine dir is at hand (embedded target or --engine-dir), else torch")
+    p.add_argument("--engine-dir", type=Path,
+                   help="engine directory of --target (from blockpilot build) for --backend onnxruntime")
+    p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
     add_device_arg(p)
     p.set_defaults(run=run)
 
@@ -34,16 +42,27 @@ def run(args: argparse.Namespace) -> int:
     from blockpilot.errors import UserError
     from blockpilot.training.data import regenerate_answers
 
-    for name in ("limit", "max_new_tokens", "batch_size", "time_budget"):
+    for name in ("limit", "max_new_tokens", "batch_size", "time_budget", "threads"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive (got {value})")
     if args.target is not None and not (args.target / "config.json").is_file():
         raise UserError(f"--target {args.target}: no config.json there; give a Hugging Face model dir")
+    if args.backend == "onnxruntime" and args.device not in ("auto", "cpu"):
+        raise UserError(f"--backend onnxruntime runs on the CPU; drop --device {args.device} or use --backend torch")
     device = resolve_device(args.device)
     prompts = load_train_prompts(args.prompts)[: args.limit]
     if not args.out.parent.is_dir():
         raise UserError(f"--out {args.out}: folder {args.out.parent} does not exist; create it first")
+    backend = args.backend
+    if backend == "auto":
+        backend = "onnxruntime" if device == "cpu" and (args.target is None or args.engine_dir) else "torch"
+    if backend == "onnxruntime":
+        _answer_onnxruntime(args, prompts)
+        print(f"answers in {args.out}")
+        return 0
+    if args.engine_dir is not None:
+        raise UserError("--engine-dir is for --backend onnxruntime; drop it or choose that backend")
     if args.target is None:
         from blockpilot.assets.smollm2 import smollm2_dir
 
@@ -53,3 +72,25 @@ def run(args: argparse.Namespace) -> int:
                        device=device, time_budget_s=args.time_budget * 60 if args.time_budget else None)
     print(f"answers in {args.out}")
     return 0
+
+
+def _answer_onnxruntime(args: argparse.Namespace, prompts) -> None:
+    from transformers import AutoTokenizer
+
+    from blockpilot.errors import UserError
+    from blockpilot.runtime.runner import Runner
+    from blockpilot.training.data import answer_with_runner
+
+    engine_dir = args.engine_dir
+    if engine_dir is None:
+        if args.target is not None:
+            raise UserError(f"--backend onnxruntime needs --engine-dir for --target {args.target}; build one with "
+                            "`blockpilot build` or use --backend torch")
+        from blockpilot.builder.embedded import embedded_engine_dir
+
+        engine_dir = embedded_engine_dir()
+    runner = Runner.from_engine_dir(engine_dir, backend="onnxruntime", threads=args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(engine_dir)
+    answer_with_runner(runner, tokenizer, [p.text for p in prompts], max_new_tokens=args.max_new_tokens,
+                       batch_size=args.batch_size, out_path=args.out, sources=[p.category for p in prompts],
+                       time_budget_s=args.time_budget * 60 if args.time_budget else None)

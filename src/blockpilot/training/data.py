@@ -106,3 +106,58 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
             out.flush()
             bar.update(len(batch))
     return out_path
+
+
+def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens: int, batch_size: int,
+                       out_path: Path, sources: list[str] | None = None,
+                       time_budget_s: float | None = None) -> Path:
+    """Answer `prompts` greedily with a runner's plain decoding (block size 1), continuously batched.
+
+    The fast path on the CPU: an onnxruntime engine directory's target decodes up to `batch_size`
+    answers in every step, and a finished answer leaves the batch at once and is appended to
+    `out_path` as one complete line (so an interruption loses only the answers in flight, and a
+    rerun skips every prompt already there). With `time_budget_s`, no new prompt starts once the
+    budget is spent; those in flight finish. Rows as `regenerate_answers` writes them. A prompt too
+    long for the engine's cache is skipped with a count at the end.
+    """
+    from blockpilot.runtime.batching import BatchDecoder, GenerationRequest
+
+    began = time.perf_counter()
+    done = {r["prompt"] for r in read_answer_rows(out_path)} if out_path.exists() and out_path.stat().st_size else set()
+    sources = sources or [""] * len(prompts)
+    todo = [(p, sources[i]) for i, p in enumerate(prompts) if p not in done]
+    end_id = runner.end_id if runner.end_id is not None else tokenizer.eos_token_id
+    decoder = BatchDecoder(runner, max_batch=batch_size)
+    in_flight: dict[int, tuple[str, str]] = {}
+    skipped = 0
+    with out_path.open("a") as out, tqdm(total=len(todo), desc="answering prompts", unit="prompt") as bar:
+        while todo or in_flight:
+            while todo and len(decoder) < decoder.max_batch and not (
+                    time_budget_s is not None and time.perf_counter() - began > time_budget_s):
+                prompt, source = todo.pop(0)
+                ids = chat_prompt_ids(tokenizer, prompt)
+                if len(ids) + max_new_tokens + 1 > decoder.max_capacity:
+                    skipped += 1
+                    bar.update(1)
+                    continue
+                rid = decoder.add(GenerationRequest(ids, max_new_tokens, block_size=1, end_id=end_id))
+                in_flight[rid] = (prompt, source)
+            if not in_flight:
+                break
+            for event in decoder.step():
+                if not event.finished:
+                    continue
+                prompt, source = in_flight.pop(event.request_id)
+                tokens = list(event.result.output_tokens)
+                stop = end_id in tokens
+                answer_ids = tokens[: tokens.index(end_id)] if stop else tokens
+                out.write(json.dumps({"source": source, "prompt": prompt,
+                                      "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
+                                      "answer_ids": answer_ids, "finish": "stop" if stop else "length"}) + "\n")
+                out.flush()
+                bar.update(1)
+    if todo:
+        tqdm.write(f"time budget spent: {len(todo)} prompts left; run again to resume")
+    if skipped:
+        tqdm.write(f"{skipped} prompts skipped: prompt + {max_new_tokens} new tokens exceed the engine's cache")
+    return out_path

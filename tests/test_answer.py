@@ -1,0 +1,93 @@
+"""`blockpilot answer`: the target's greedy answers, through onnxruntime's batched plain decoding or
+transformers `generate`, resumable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockpilot.cli import main
+
+from builder_fixtures import tiny_engine_dir, tiny_models
+
+PROMPTS = ["hello there", "abc", "The cat sat.", "x y z", "Hi!", "what is 2 plus 2?", "ok"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return tiny_engine_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, engine):
+    return tiny_models(tmp_path_factory, "llama")[0]
+
+
+def _prompts_file(tmp_path, prompts=PROMPTS):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "source": "chat"}) + "\n" for p in prompts))
+    return path
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_onnxruntime_batched_answers_equal_transformers_greedy_answers(engine, target, tmp_path):
+    prompts = _prompts_file(tmp_path)
+    ort_out, hf_out = tmp_path / "ort.jsonl", tmp_path / "hf.jsonl"
+    assert main(["answer", "--engine-dir", str(engine), "--prompts", str(prompts), "--out", str(ort_out),
+                 "--max-new-tokens", "9", "--batch-size", "3"]) == 0
+    assert main(["answer", "--backend", "torch", "--target", str(target), "--prompts", str(prompts),
+                 "--out", str(hf_out), "--max-new-tokens", "9", "--batch-size", "3", "--device", "cpu"]) == 0
+    ort_rows = {r["prompt"]: r for r in _rows(ort_out)}
+    hf_rows = {r["prompt"]: r for r in _rows(hf_out)}
+    assert set(ort_rows) == set(PROMPTS) == set(hf_rows)
+    for prompt in PROMPTS:
+        assert ort_rows[prompt]["answer_ids"] == hf_rows[prompt]["answer_ids"], prompt
+        assert ort_rows[prompt]["finish"] == hf_rows[prompt]["finish"]
+        assert ort_rows[prompt]["source"] == "chat"
+        assert 1 <= len(ort_rows[prompt]["answer_ids"]) <= 9
+
+
+def test_answering_again_resumes_and_answers_each_prompt_once(engine, tmp_path):
+    prompts = _prompts_file(tmp_path)
+    out = tmp_path / "answers.jsonl"
+    assert main(["answer", "--engine-dir", str(engine), "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "5", "--limit", "3"]) == 0
+    first = _rows(out)
+    assert sorted(r["prompt"] for r in first) == sorted(PROMPTS[:3])
+    assert main(["answer", "--engine-dir", str(engine), "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "5"]) == 0
+    rows = _rows(out)
+    assert sorted(r["prompt"] for r in rows) == sorted(PROMPTS)
+    assert rows[:3] == first  # the earlier answers are kept as they were
+
+
+def test_prompts_too_long_for_the_engine_cache_are_skipped(engine, tmp_path, capsys):
+    prompts = _prompts_file(tmp_path, ["short", "a much longer prompt than the tiny cache holds " * 2])
+    out = tmp_path / "answers.jsonl"
+    assert main(["answer", "--engine-dir", str(engine), "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "5"]) == 0
+    assert [r["prompt"] for r in _rows(out)] == ["short"]
+    captured = capsys.readouterr()
+    assert "1 prompts skipped" in captured.out + captured.err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--backend", "onnxruntime", "--target", "TARGET"], "needs --engine-dir"),
+    (["--backend", "torch", "--engine-dir", "ENGINE"], "--engine-dir is for --backend onnxruntime"),
+    (["--backend", "onnxruntime", "--device", "cuda", "--engine-dir", "ENGINE"], "runs on the CPU"),
+    (["--engine-dir", "NOWHERE"], "NOWHERE"),
+    (["--engine-dir", "ENGINE", "--threads", "0"], "--threads must be positive"),
+])
+def test_bad_answer_options_end_in_one_line_and_exit_2(engine, target, tmp_path, capsys, extra, message):
+    prompts = _prompts_file(tmp_path)
+    out = tmp_path / "answers.jsonl"
+    extra = [str(target) if a == "TARGET" else str(engine) if a == "ENGINE" else
+             str(tmp_path / "nowhere") if a == "NOWHERE" else a for a in extra]
+    assert main(["answer", "--prompts", str(prompts), "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message.replace("NOWHERE", "nowhere") in err and len(err.splitlines()) == 1
+    assert not out.exists() or not out.read_text()
