@@ -23,6 +23,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", type=Path, required=True, help="output predictor .onnx")
     p.add_argument("--objective", choices=("tau", "throughput"), default="tau",
                    help="label: argmax tau (paper) or argmax tau / measured step time")
+    p.add_argument("--loss", choices=("ce", "regret"), default="ce",
+                   help="ce: cross-entropy on the best block size of each prompt; regret: the expected relative "
+                   "loss of the objective under the predicted probabilities (near-ties cost nothing)")
     p.add_argument("--features", choices=("pooled", "logits"), default="pooled",
                    help="mean-pooled last hidden state (default) or last-token prefill logits")
     p.add_argument("--hidden", type=int, default=2048, help="width of the MLP's hidden layer")
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         with_temperature=args.with_temperature, lr=args.lr, weight_decay=args.weight_decay,
         batch_size=args.batch_size, max_epochs=args.max_epochs, patience=args.patience,
         val_fraction=args.val_fraction, test_fraction=args.test_fraction, threshold=args.threshold, seed=args.seed,
-        candidates=args.block_sizes,
+        candidates=args.block_sizes, loss=args.loss,
     )
     report = train_predictor(datasets, settings, args.out)
     split = report["splits"][report["evaluated_on"]]

@@ -1,9 +1,16 @@
 """Train the block-size predictor on label datasets, export it to ONNX and write its report.
 
-Rows are split once (seeded) into train / validation / test. The MLP is fit on train with
-cross-entropy (AdamW) and early stopping on the validation loss (the best epoch's weights are
-kept); the report measures the test split, which neither fitting nor stopping has seen (the
-validation split when `test_fraction` is 0).
+Rows are split once (seeded) into train / validation / test. The MLP is fit on train (AdamW) with
+early stopping on the validation loss (the best epoch's weights are kept); the report measures the
+test split, which neither fitting nor stopping has seen (the validation split when `test_fraction`
+is 0). Two losses:
+
+- `ce`: cross-entropy on the oracle class (the argmax of the objective per prompt);
+- `regret`: the expected relative loss of the objective under the predicted distribution,
+  `sum_k p_k (1 - score_k / max_j score_j)` (cost-sensitive classification): a near-tie between two
+  block sizes costs almost nothing whichever is chosen, a choice far below the best costs in
+  proportion, so the classifier learns which mistakes matter instead of splitting hairs between
+  equals.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from blockpilot.predictor.model import BlockSizeMLP
 from blockpilot.runtime.policy import FEATURE_KINDS, PredictorInfo, model_files_sha256
 
 MIN_ROWS = 10
+LOSSES = ("ce", "regret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +48,7 @@ class TrainSettings:
     threshold: float = 0.0
     seed: int = 0
     candidates: tuple[int, ...] | None = None  # a subset of the datasets' candidates (None: all of them)
+    loss: str = "ce"  # "ce" (oracle class) or "regret" (expected relative loss of the objective)
 
 
 @dataclasses.dataclass
@@ -64,6 +73,8 @@ def assemble(datasets: list[LabelDataset], settings: TrainSettings) -> TrainingD
     """
     if settings.objective not in OBJECTIVES:
         raise UserError(f"unknown objective {settings.objective!r}; use one of {', '.join(OBJECTIVES)}")
+    if settings.loss not in LOSSES:
+        raise UserError(f"unknown loss {settings.loss!r}; use one of {', '.join(LOSSES)}")
     if settings.features not in FEATURE_KINDS:
         raise UserError(f"unknown feature kind {settings.features!r}; use one of {', '.join(FEATURE_KINDS)}")
     if settings.candidates is not None:
@@ -131,12 +142,12 @@ def fit(model: BlockSizeMLP, data: TrainingData, train: torch.Tensor, val: torch
     for epoch in range(settings.max_epochs):
         model.train()
         for batch in train[torch.randperm(len(train), generator=shuffle)].split(settings.batch_size):
-            loss = torch.nn.functional.cross_entropy(_logits(model, data, batch), data.labels[batch])
+            loss = _objective_loss(model, data, batch, settings)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             train_loss = float(loss.detach())
-        val_loss = _loss(model, data, val)
+        val_loss = _loss(model, data, val, settings)
         if val_loss < best["val_loss"] - 1e-6:
             best = {"val_loss": val_loss, "epoch": epoch, "state": copy.deepcopy(model.state_dict())}
         elif epoch - best["epoch"] >= settings.patience:
@@ -152,10 +163,19 @@ def _logits(model: BlockSizeMLP, data: TrainingData, rows: torch.Tensor) -> torc
     return model(data.features[rows], data.temperature[rows] if model.with_temperature else None)
 
 
+def _objective_loss(model: BlockSizeMLP, data: TrainingData, rows: torch.Tensor, settings: TrainSettings):
+    logits = _logits(model, data, rows)
+    if settings.loss == "ce":
+        return torch.nn.functional.cross_entropy(logits, data.labels[rows])
+    scores = (data.throughput if settings.objective == "throughput" else data.tau)[rows].float()
+    regret = 1 - scores / scores.max(dim=-1, keepdim=True).values.clamp_min(1e-12)  # (B, K) in [0, 1]
+    return (torch.softmax(logits, dim=-1) * regret).sum(dim=-1).mean()
+
+
 @torch.no_grad()
-def _loss(model: BlockSizeMLP, data: TrainingData, rows: torch.Tensor) -> float:
+def _loss(model: BlockSizeMLP, data: TrainingData, rows: torch.Tensor, settings: TrainSettings) -> float:
     model.eval()
-    return float(torch.nn.functional.cross_entropy(_logits(model, data, rows), data.labels[rows]))
+    return float(_objective_loss(model, data, rows, settings))
 
 
 @torch.no_grad()
@@ -211,7 +231,7 @@ def _metadata(data: TrainingData, settings: TrainSettings, history: dict) -> dic
         cost_machine=costs["machine"] if costs else "",
     )
     return {
-        **info.to_metadata(), "hidden": str(settings.hidden), "rows": str(len(data.labels)),
+        **info.to_metadata(), "hidden": str(settings.hidden), "rows": str(len(data.labels)), "loss": settings.loss,
         "temperatures": json.dumps(sorted({float(t) for t in data.temperature.flatten()})),
         "best_epoch": str(history["best_epoch"]),
     }
