@@ -3,7 +3,7 @@ trained predictor, in tau and in the tokens/s proxy (tau / step cost of the data
 temperature and prompt category.
 
     python scripts/predictor_analysis.py --dataset runs/predictor/labels-t0 --prompts runs/predictor/heldout.jsonl \
-        [--predictor P.onnx ...] [--step-costs ENGINE_DIR|JSON] [--json out.json]
+        [--dataset D2 --prompts P2 ...] [--predictor P.onnx ...] [--step-costs ENGINE_DIR|JSON] [--json out.json]
 
 Categories come from the prompt file's `source` field (rows are matched by id). With `--predictor`, `auto`
 is measured on the test split that `blockpilot train-predictor` held out (same seed and fractions), so
@@ -25,7 +25,8 @@ from blockpilot.predictor.train import TrainSettings, assemble, split_indices
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", type=Path, action="append", required=True)
-    p.add_argument("--prompts", type=Path, required=True, help="JSONL with id and source of every prompt")
+    p.add_argument("--prompts", type=Path, action="append", required=True,
+                   help="JSONL with the source of every prompt (repeatable: one per dataset)")
     p.add_argument("--predictor", type=Path, action="append", default=[], help="trained .onnx (repeatable)")
     p.add_argument("--step-costs", type=Path, help="score with this table instead of the datasets' own")
     p.add_argument("--block-sizes", help="a subset of the candidates, e.g. 1,4,8 (datasets labelled at others)")
@@ -60,10 +61,10 @@ def main(argv=None) -> int:
         table = read_step_costs(args.step_costs)
         datasets = [d.with_step_costs(table) for d in datasets]
     sources = {}
-    for line in args.prompts.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            sources[row["id"]] = row.get("source", "?")
+    for path in args.prompts:
+        from blockpilot.assets.prompts import load_jsonl_prompts
+
+        sources.update({p.id: p.category for p in load_jsonl_prompts(path)})
     if args.block_sizes:
         sizes = tuple(int(k) for k in args.block_sizes.split(","))
         datasets = [d.restricted(sizes) for d in datasets]

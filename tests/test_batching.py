@@ -212,3 +212,67 @@ def test_requests_arriving_under_load_decode_plainly_when_asked_to(tmp_path_fact
     assert results[late].block_size == 1  # arrived with 2 in flight and no block size of its own
     assert results[pinned].block_size == 5  # asked for one: kept
     assert results[late].output_tokens == alone(runner, GenerationRequest(PROMPTS[2], 6, end_id=None)).output_tokens
+
+
+class RevisingPolicy:
+    """A stand-in predictor: block size 5, revised to 3 after 2 steps there, then to 1 after 3 more."""
+
+    candidates = (1, 3, 5)
+
+    def __init__(self):
+        self.calls = []
+
+    def select(self, hidden, last_logits, temperature=0.0):
+        from blockpilot.runtime.policy import BlockSizeChoice
+
+        return BlockSizeChoice(5, 1.0)
+
+    def revise(self, block_size, accept_lengths, steps_at_size, supported):
+        self.calls.append((block_size, len(accept_lengths), steps_at_size))
+        assert supported(3)
+        if block_size == 5 and steps_at_size >= 2:
+            return 3
+        if block_size == 3 and steps_at_size >= 3:
+            return 1
+        return block_size
+
+
+@pytest.mark.parametrize("path", ["onnxruntime-fp32", "torch-fp32"])
+def test_requests_moved_to_smaller_blocks_while_decoding_keep_the_greedy_output(tmp_path_factory, path):
+    runner = runner_for(tmp_path_factory, path)
+    runner.policy = RevisingPolicy()
+    prompts, max_new = PROMPTS, [14, 9, 12, 14]
+    requests = [GenerationRequest(p, n, end_id=None) for p, n in zip(prompts, max_new)]  # auto: the policy's
+    pinned = GenerationRequest(PROMPTS[0], 14, block_size=5, end_id=None)  # a size of its own: never revised
+    got = run_together(runner, requests + [pinned], max_batch=3)
+    for result, p, n in zip(got, prompts, max_new):
+        plain = alone(runner, GenerationRequest(p, n, block_size=1, end_id=None))
+        assert result.output_tokens == plain.output_tokens
+        assert result.block_size == 5
+        steps = len(result.accept_lengths)
+        expected = [(2, 3), (5, 1)][: (steps > 2) + (steps > 5)]
+        assert result.block_size_switches == expected
+        assert result.final_block_size == (expected[-1][1] if expected else 5)
+        assert all(a <= 3 for a in result.accept_lengths[2:5]) and all(a == 1 for a in result.accept_lengths[5:])
+    assert got[-1].block_size_switches == [] and got[-1].output_tokens == got[0].output_tokens
+
+
+def test_revise_block_size_moves_down_only_to_a_size_that_pays_by_the_margin():
+    from blockpilot.runtime.policy import revise_block_size
+
+    step_ms = {1: 10.0, 2: 12.0, 4: 13.0, 8: 16.0}.__getitem__
+    sizes = [1, 2, 4, 8]
+    # every step accepted 1 draft: tau 2 at any size >= 2, so the cheapest of them wins
+    assert revise_block_size(8, [2] * 6, 6, sizes, step_ms) == 2
+    # every draft accepted: block 8 commits 8 tokens a step, nothing smaller comes close
+    assert revise_block_size(8, [8] * 6, 6, sizes, step_ms) == 8
+    # nothing accepted: plain decoding
+    assert revise_block_size(8, [1] * 6, 6, sizes, step_ms) == 1
+    # too few steps at this size yet, or plain decoding already
+    assert revise_block_size(8, [1] * 3, 3, sizes, step_ms) == 8
+    assert revise_block_size(1, [1] * 9, 9, sizes, step_ms) == 1
+    # 3 drafts accepted a step: 4 tokens per 13 ms at block 4 against 4 per 16 ms at 8 (+23%)
+    assert revise_block_size(8, [4] * 6, 6, sizes, step_ms) == 4
+    assert revise_block_size(8, [4] * 6, 6, sizes, step_ms, margin=0.3) == 8
+    # two long steps: 1 + mean(a) = 5 tokens per 16 ms at 8 beats 4 per 13 ms at block 4
+    assert revise_block_size(8, [4] * 6 + [8, 8], 8, sizes, step_ms) == 8

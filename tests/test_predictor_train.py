@@ -173,3 +173,23 @@ def test_regret_loss_chooses_the_size_that_is_always_near_best_where_cross_entro
     assert CANDIDATES.index(8) not in chosen["ce"]
     assert chosen["regret"] == {CANDIDATES.index(8)}
     assert report["splits"]["test"]["tau"]["auto"] == pytest.approx(3.96)
+
+
+def test_a_throughput_predictor_carries_its_step_costs_and_revises_blocks_with_them(tmp_path):
+    from blockpilot.builder.manifest import StepCosts
+
+    write_dataset(tmp_path / "ds")
+    table = StepCosts("onnxruntime", "fp32", "test cpu", 256, {k: 10.0 + k for k in (1, *CANDIDATES)},
+                      {k: 1.0 for k in CANDIDATES})
+    dataset = load_label_dataset(tmp_path / "ds").with_step_costs(table)
+    train_predictor([dataset], TrainSettings(objective="throughput", **FAST), tmp_path / "p.onnx")
+    policy = OnnxBlockSizePolicy(tmp_path / "p.onnx")
+    assert policy.step_costs == table
+    # one draft accepted per step: every size commits 2 tokens, so the cheapest candidate (6) pays best
+    assert policy.revise(10, [2] * 6, 6, lambda k: True) == 6
+    assert policy.revise(10, [2] * 6, 6, lambda k: k != 6) == 7  # one the backend cannot run is skipped
+    assert policy.revise(10, [2] * 6, 2, lambda k: True) == 10  # too few steps yet
+    write_dataset(tmp_path / "tau")  # tau labels: no table, no revision
+    train_predictor([load_label_dataset(tmp_path / "tau")], TrainSettings(**FAST), tmp_path / "t.onnx")
+    tau_policy = OnnxBlockSizePolicy(tmp_path / "t.onnx")
+    assert tau_policy.step_costs is None and tau_policy.revise(10, [2] * 6, 6, lambda k: True) == 10

@@ -28,7 +28,7 @@ PROMPTS = [
 ]
 ROW_KEYS = {"system", "kind", "dataset", "prompt_id", "category", "temperature", "seed", "order", "prompt_tokens",
             "output_tokens", "ttft_s", "total_s", "decode_s", "tpot_s", "tokens_per_s", "tau", "verify_steps",
-            "block_size", "block_size_prob", "predictor_ms", "derived_from", "output_ids"}
+            "block_size", "block_size_prob", "block_size_switches", "predictor_ms", "derived_from", "output_ids"}
 
 
 @dataclasses.dataclass

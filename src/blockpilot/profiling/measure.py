@@ -108,6 +108,7 @@ def make_row(system: System, request: Request, temperature: float, seed: int, or
         "tokens_per_s": n / m.total_s if m.total_s > 0 else None,
         "tau": m.tau, "verify_steps": m.verify_steps,
         "block_size": m.block_size, "block_size_prob": m.block_size_prob,
+        "block_size_switches": m.block_size_switches,
         "predictor_ms": m.predictor_s * 1e3 if m.predictor_s is not None else None,
         "derived_from": None, "output_ids": m.output_ids,
     }

@@ -44,6 +44,7 @@ class Measurement:
     block_size: int | None = None
     block_size_prob: float | None = None
     predictor_s: float | None = None
+    block_size_switches: list | None = None  # (verify steps done, new size): the policy's revisions (auto)
 
 
 class System(Protocol):
@@ -174,6 +175,7 @@ class RunnerSystem:
             verify_steps=len(out["accept_lengths"][0]),
             block_size=out["block_sizes"][0],
             block_size_prob=out["block_size_probs"][0],
+            block_size_switches=out["block_size_switches"][0],
             predictor_s=timings["predictor_s"] if self.block_size == "auto" else None,
         )
 

@@ -75,6 +75,9 @@ class _Active:
     state: DecodeState | None  # own state until the request joins a group
     new_tokens: list[int] = dataclasses.field(default_factory=list)  # to report at the next step
     done: bool = False
+    adaptive: bool = False  # the block size came from the predictor and may be revised downwards
+    steps_at_size: int = 0  # verify steps run at the current block size
+    moving: bool = False  # leaving one group for another (its tokens are already reported)
 
 
 @dataclasses.dataclass
@@ -151,8 +154,9 @@ class BatchDecoder:
                 and len(self) >= self.disable_speculation_from):
             block_size = 1
         result.block_size = k = runner.choose_block_size(result, block_size, prefill, params.temperature)
+        adaptive = block_size in (None, "auto") and hasattr(runner.policy, "revise") and k > 1
         active = _Active(next(self._ids), result, params, generator, request.max_new_tokens, end_id, k, last,
-                         prefill.taps, 0, len(ids), state)
+                         prefill.taps, 0, len(ids), state, adaptive=adaptive)
         active.done = self._commit(active, [int(last)])
         self._joining.append(active)
         return active.id
@@ -196,7 +200,9 @@ class BatchDecoder:
         events: list[StepEvent] = []
         joining, self._joining = self._joining, []
         for active in joining:  # first tokens (from prefill) come out with this step
-            events.append(self._event(active))
+            if not active.moving:
+                events.append(self._event(active))
+            active.moving = False
         joining = [a for a in joining if not a.done]
         drafts: dict[int, torch.Tensor] = {}  # group index -> (B, k - 1)
         for index, group in enumerate(self._groups):  # the groups draft before anyone joins them
@@ -237,7 +243,7 @@ class BatchDecoder:
         verify = be.verify(group.state, torch.cat((last[:, None], draft), dim=1),
                            int(starts[0]) if len(members) == 1 else starts)
         elapsed = clock() - t0
-        events, keep = [], []
+        events, keep, moving = [], [], []
         for row, active in enumerate(members):
             posterior = sample_tokens(verify.logits[row:row + 1], active.params, active.generator)  # (1, k)
             accepted = accepted_draft_counts(draft[row:row + 1], posterior)  # (1,)
@@ -249,13 +255,35 @@ class BatchDecoder:
             events.append(self._event(active))
             if active.done:
                 continue
-            keep.append(row)
             active.pending_taps = verify.taps[row:row + 1, : a + 1]
             active.pos += a + 1
             active.last = posterior[:, a]
+            if self._revise(active):
+                moving.append(row)
+            else:
+                keep.append(row)
+        for row in moving:  # each leaves with its own rows of the state, drafts alone next step, joins its size
+            active = members[row]
+            active.state = be.select_rows(group.state, [row])
+            active.moving = True
+            self._joining.append(active)
         if len(keep) < len(members):
             self._keep_rows(group, keep)
         return events
+
+    def _revise(self, active: _Active) -> bool:
+        """Count the step; for a predictor-chosen size, ask the policy whether a smaller block pays
+        better now (True: the request moves to that size)."""
+        active.steps_at_size += 1
+        if not active.adaptive:
+            return False
+        k = self.runner.policy.revise(active.k, active.result.accept_lengths, active.steps_at_size,
+                                      self.backend.supports_block_size)
+        if k == active.k:
+            return False
+        active.result.block_size_switches.append((len(active.result.accept_lengths), k))
+        active.k, active.steps_at_size, active.adaptive = k, 0, k > 1
+        return True
 
     def _draft_rows(self, state: DecodeState, members: list[_Active]) -> torch.Tensor:
         """Drafts `(B, k - 1)` of `members` (the rows of `state`, in order) in one drafter call."""

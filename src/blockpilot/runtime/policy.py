@@ -1,10 +1,19 @@
 """The block-size policy: prefill features and the ONNX predictor that scores candidate block sizes.
 
-BlockPilot chooses one block size per request, once, right after prefill:
+BlockPilot chooses one block size per request right after prefill:
 
     prefill -> features (B, F) -> predictor -> probabilities (B, K) over `candidates`
             -> block size (the top candidate, or the drafter's B_train when the top
                probability is under `threshold`)
+
+and, when the predictor carries the step-cost table its labels were scored with, revises it
+downwards while the request decodes (`revise_block_size`): after a few steps at block size k the
+accepted-draft counts `a_i` tell what a smaller block k' would have accepted, `min(a_i, k' - 1)` (its
+drafts are the first k' - 1 of a block; a block diffusion drafter proposes them nearly alike), so the
+expected tokens per second of every candidate k' <= k is `(1 + mean min(a_i, k' - 1)) / step_ms(k')`;
+the request moves to the best one when that beats staying by a margin. Only downwards: a larger
+block's extra drafts were never proposed, so nothing measures them. Lossless either way: every step
+is verified, and the block size depends only on tokens already committed.
 
 The feature functions here are the only definition of the features: the labelling code
 (`blockpilot.predictor.labels`) imports them, so features at label time and at inference time are
@@ -36,6 +45,8 @@ import torch
 from blockpilot.errors import UserError
 
 FEATURE_KINDS = ("pooled", "logits")
+REVISE_MIN_STEPS = 4  # decode steps observed at a block size before `revise_block_size` may leave it
+REVISE_MARGIN = 0.05  # a smaller block must promise this much more throughput than staying
 PREDICTOR_FORMAT = "blockpilot-predictor"
 PREDICTOR_VERSION = 1
 FEATURES_INPUT = "features"
@@ -79,6 +90,26 @@ def prefill_features(kind: str, hidden: torch.Tensor, last_logits: torch.Tensor)
 def feature_width(kind: str, target_config) -> int:
     """Width F of feature kind `kind` for a target with `target_config` (a `DecoderConfig`)."""
     return target_config.hidden_size if kind == "pooled" else target_config.vocab_size
+
+
+def revise_block_size(block_size: int, accept_lengths: list[int], steps_at_size: int, sizes, step_ms,
+                      min_steps: int = REVISE_MIN_STEPS, margin: float = REVISE_MARGIN) -> int:
+    """The candidate of `sizes` (all <= `block_size`) with the best expected tokens per second, given
+    the accepted lengths so far; `block_size` unless it wins by `margin` after `min_steps` steps there.
+
+    Expected tokens per step at size k from steps that accepted `a_i = accept_lengths[i] - 1`
+    drafts: `1 + mean(min(a_i, k - 1))`; per second: that over `step_ms(k)`.
+    """
+    if block_size <= 1 or steps_at_size < min_steps or not accept_lengths:
+        return block_size
+    drafts = torch.tensor(accept_lengths, dtype=torch.float64) - 1
+
+    def rate(k: int) -> float:
+        return (1 + float(drafts.clamp(max=k - 1).mean())) / step_ms(k)
+
+    current = rate(block_size)
+    best = max((k for k in sizes if k < block_size), key=rate, default=block_size)
+    return best if best != block_size and rate(best) > current * (1 + margin) else block_size
 
 
 def select_block_size(probabilities: torch.Tensor, candidates: torch.Tensor, fallback: int,
@@ -225,6 +256,28 @@ class OnnxBlockSizePolicy:
         self._candidates = torch.tensor(self.candidates, dtype=torch.int64)
         # temperatures the labels were made at (metadata "temperatures"; absent in older predictors: any)
         self.labelled_temperatures = tuple(json.loads(props["temperatures"])) if "temperatures" in props else None
+        # the step-cost table the throughput labels were scored with (absent: no revision while decoding)
+        self.step_costs = None
+        if props.get("step_costs"):
+            from blockpilot.builder.manifest import StepCosts
+
+            self.step_costs = StepCosts.from_dict(json.loads(props["step_costs"]))
+
+    def revise(self, block_size: int, accept_lengths: list[int], steps_at_size: int, supported) -> int:
+        """The block size a request decoding at `block_size` should continue with (see the module
+        docstring); `block_size` itself when there is no step-cost table or too little evidence.
+
+        Args:
+            block_size: the request's current block size.
+            accept_lengths: tokens committed per verify step so far (all at sizes >= `block_size`).
+            steps_at_size: how many of those steps ran at `block_size`.
+            supported: `supported(k)` is True for block sizes the backend can run.
+        """
+        if self.step_costs is None:
+            return block_size
+        sizes = [k for k in self.candidates if k <= block_size and (k == 1 or supported(k))
+                 and k in self.step_costs.target_ms and (k == 1 or k in self.step_costs.drafter_ms)]
+        return revise_block_size(block_size, accept_lengths, steps_at_size, sizes, self.step_costs.step_ms)
 
     def probabilities(self, features: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
         """Predictor output `(B, K)` for features `(B, F)` (float32, CPU) at sampling `temperature`."""

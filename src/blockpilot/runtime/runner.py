@@ -31,8 +31,10 @@ class RequestResult:
     input_ids: list[int]
     output_tokens: list[int] = dataclasses.field(default_factory=list)
     accept_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens committed per verify step
-    block_size: int = 1
+    block_size: int = 1  # the size the request started with (chosen by the caller or the predictor)
     block_size_prob: float | None = None  # predictor's probability of the chosen size (auto only)
+    # (verify steps done, new size) each time the policy moved the request to a smaller block (auto only)
+    block_size_switches: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     predictor_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -47,6 +49,11 @@ class RequestResult:
     @property
     def decode_s(self) -> float:
         return self.draft_s + self.verify_s
+
+    @property
+    def final_block_size(self) -> int:
+        """The block size the request decoded with last."""
+        return self.block_size_switches[-1][1] if self.block_size_switches else self.block_size
 
 
 @dataclasses.dataclass
@@ -74,6 +81,7 @@ class GenerationResult:
             "tau": [r.tau for r in self.requests],
             "block_sizes": [r.block_size for r in self.requests],
             "block_size_probs": [r.block_size_prob for r in self.requests],
+            "block_size_switches": [list(r.block_size_switches) for r in self.requests],
             "timings": [
                 {"prefill_s": r.prefill_s, "predictor_s": r.predictor_s, "draft_s": r.draft_s,
                  "verify_s": r.verify_s}
