@@ -263,16 +263,16 @@ def test_revise_block_size_moves_down_only_to_a_size_that_pays_by_the_margin():
     step_ms = {1: 10.0, 2: 12.0, 4: 13.0, 8: 16.0}.__getitem__
     sizes = [1, 2, 4, 8]
     # every step accepted 1 draft: tau 2 at any size >= 2, so the cheapest of them wins
-    assert revise_block_size(8, [2] * 6, 6, sizes, step_ms) == 2
+    assert revise_block_size(8, [2] * 6, 6, sizes, step_ms, 4, 0.05) == 2
     # every draft accepted: block 8 commits 8 tokens a step, nothing smaller comes close
-    assert revise_block_size(8, [8] * 6, 6, sizes, step_ms) == 8
+    assert revise_block_size(8, [8] * 6, 6, sizes, step_ms, 4, 0.05) == 8
     # nothing accepted: plain decoding
-    assert revise_block_size(8, [1] * 6, 6, sizes, step_ms) == 1
+    assert revise_block_size(8, [1] * 6, 6, sizes, step_ms, 4, 0.05) == 1
     # too few steps at this size yet, or plain decoding already
-    assert revise_block_size(8, [1] * 3, 3, sizes, step_ms) == 8
-    assert revise_block_size(1, [1] * 9, 9, sizes, step_ms) == 1
+    assert revise_block_size(8, [1] * 3, 3, sizes, step_ms, 4, 0.05) == 8
+    assert revise_block_size(1, [1] * 9, 9, sizes, step_ms, 4, 0.05) == 1
     # 3 drafts accepted a step: 4 tokens per 13 ms at block 4 against 4 per 16 ms at 8 (+23%)
-    assert revise_block_size(8, [4] * 6, 6, sizes, step_ms) == 4
-    assert revise_block_size(8, [4] * 6, 6, sizes, step_ms, margin=0.3) == 8
+    assert revise_block_size(8, [4] * 6, 6, sizes, step_ms, 4, 0.05) == 4
+    assert revise_block_size(8, [4] * 6, 6, sizes, step_ms, 4, 0.3) == 8
     # two long steps: 1 + mean(a) = 5 tokens per 16 ms at 8 beats 4 per 13 ms at block 4
-    assert revise_block_size(8, [4] * 6 + [8, 8], 8, sizes, step_ms) == 8
+    assert revise_block_size(8, [4] * 6 + [8, 8], 8, sizes, step_ms, 4, 0.05) == 8

@@ -185,6 +185,8 @@ def test_a_throughput_predictor_carries_its_step_costs_and_revises_blocks_with_t
     train_predictor([dataset], TrainSettings(objective="throughput", **FAST), tmp_path / "p.onnx")
     policy = OnnxBlockSizePolicy(tmp_path / "p.onnx")
     assert policy.step_costs == table
+    assert policy.revise(10, [2] * 40, 40, lambda k: True) == 10  # off by default
+    policy.revise_min_steps, policy.revise_margin = 4, 0.05
     # one draft accepted per step: every size commits 2 tokens, so the cheapest candidate (6) pays best
     assert policy.revise(10, [2] * 6, 6, lambda k: True) == 6
     assert policy.revise(10, [2] * 6, 6, lambda k: k != 6) == 7  # one the backend cannot run is skipped
@@ -192,4 +194,5 @@ def test_a_throughput_predictor_carries_its_step_costs_and_revises_blocks_with_t
     write_dataset(tmp_path / "tau")  # tau labels: no table, no revision
     train_predictor([load_label_dataset(tmp_path / "tau")], TrainSettings(**FAST), tmp_path / "t.onnx")
     tau_policy = OnnxBlockSizePolicy(tmp_path / "t.onnx")
+    tau_policy.revise_min_steps = 4
     assert tau_policy.step_costs is None and tau_policy.revise(10, [2] * 6, 6, lambda k: True) == 10

@@ -154,7 +154,8 @@ class BatchDecoder:
                 and len(self) >= self.disable_speculation_from):
             block_size = 1
         result.block_size = k = runner.choose_block_size(result, block_size, prefill, params.temperature)
-        adaptive = block_size in (None, "auto") and hasattr(runner.policy, "revise") and k > 1
+        adaptive = (block_size in (None, "auto") and hasattr(runner.policy, "revise") and k > 1
+                    and getattr(runner.policy, "revise_min_steps", 0) is not None)
         active = _Active(next(self._ids), result, params, generator, request.max_new_tokens, end_id, k, last,
                          prefill.taps, 0, len(ids), state, adaptive=adaptive)
         active.done = self._commit(active, [int(last)])

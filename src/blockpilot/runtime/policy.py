@@ -6,14 +6,18 @@ BlockPilot chooses one block size per request right after prefill:
             -> block size (the top candidate, or the drafter's B_train when the top
                probability is under `threshold`)
 
-and, when the predictor carries the step-cost table its labels were scored with, revises it
-downwards while the request decodes (`revise_block_size`): after a few steps at block size k the
-accepted-draft counts `a_i` tell what a smaller block k' would have accepted, `min(a_i, k' - 1)` (its
-drafts are the first k' - 1 of a block; a block diffusion drafter proposes them nearly alike), so the
-expected tokens per second of every candidate k' <= k is `(1 + mean min(a_i, k' - 1)) / step_ms(k')`;
-the request moves to the best one when that beats staying by a margin. Only downwards: a larger
-block's extra drafts were never proposed, so nothing measures them. Lossless either way: every step
-is verified, and the block size depends only on tokens already committed.
+and, when asked to (`OnnxBlockSizePolicy.revise_min_steps`; off by default) and the predictor
+carries the step-cost table its labels were scored with, revises it downwards while the request
+decodes (`revise_block_size`): after some steps at block size k the accepted-draft counts `a_i` tell
+what a smaller block k' would have accepted, `min(a_i, k' - 1)` (its drafts are the first k' - 1 of a
+block; a block diffusion drafter proposes them nearly alike), so the expected tokens per second of
+every candidate k' <= k is `(1 + mean min(a_i, k' - 1)) / step_ms(k')`; the request moves to the best
+one when that beats staying by a margin. Only downwards: a larger block's extra drafts were never
+proposed, so nothing measures them. Lossless either way: every step is verified, and the block size
+depends only on tokens already committed. Off by default because it did not pay: on 60 unseen code
+and chat prompts (SmolLM2, onnxruntime fp32, T = 0) revising after 4 steps lost 1-6% against not
+revising, after 16 steps 1-2%: acceptance early in an answer says little about the rest of it, and
+a move down cannot be undone.
 
 The feature functions here are the only definition of the features: the labelling code
 (`blockpilot.predictor.labels`) imports them, so features at label time and at inference time are
@@ -45,8 +49,8 @@ import torch
 from blockpilot.errors import UserError
 
 FEATURE_KINDS = ("pooled", "logits")
-REVISE_MIN_STEPS = 4  # decode steps observed at a block size before `revise_block_size` may leave it
-REVISE_MARGIN = 0.05  # a smaller block must promise this much more throughput than staying
+REVISE_MIN_STEPS = 16  # decode steps observed at a block size before `revise_block_size` may leave it
+REVISE_MARGIN = 0.10  # a smaller block must promise this much more throughput than staying
 PREDICTOR_FORMAT = "blockpilot-predictor"
 PREDICTOR_VERSION = 1
 FEATURES_INPUT = "features"
@@ -93,13 +97,16 @@ def feature_width(kind: str, target_config) -> int:
 
 
 def revise_block_size(block_size: int, accept_lengths: list[int], steps_at_size: int, sizes, step_ms,
-                      min_steps: int = REVISE_MIN_STEPS, margin: float = REVISE_MARGIN) -> int:
+                      min_steps: int | None = None, margin: float | None = None) -> int:
     """The candidate of `sizes` (all <= `block_size`) with the best expected tokens per second, given
     the accepted lengths so far; `block_size` unless it wins by `margin` after `min_steps` steps there.
 
     Expected tokens per step at size k from steps that accepted `a_i = accept_lengths[i] - 1`
-    drafts: `1 + mean(min(a_i, k - 1))`; per second: that over `step_ms(k)`.
+    drafts: `1 + mean(min(a_i, k - 1))`; per second: that over `step_ms(k)`. `min_steps` and `margin`
+    default to `REVISE_MIN_STEPS` and `REVISE_MARGIN`.
     """
+    min_steps = REVISE_MIN_STEPS if min_steps is None else min_steps
+    margin = REVISE_MARGIN if margin is None else margin
     if block_size <= 1 or steps_at_size < min_steps or not accept_lengths:
         return block_size
     drafts = torch.tensor(accept_lengths, dtype=torch.float64) - 1
@@ -257,6 +264,8 @@ class OnnxBlockSizePolicy:
         # temperatures the labels were made at (metadata "temperatures"; absent in older predictors: any)
         self.labelled_temperatures = tuple(json.loads(props["temperatures"])) if "temperatures" in props else None
         # the step-cost table the throughput labels were scored with (absent: no revision while decoding)
+        self.revise_min_steps: int | None = None  # steps before a revision (None: never revise; see the module)
+        self.revise_margin = REVISE_MARGIN
         self.step_costs = None
         if props.get("step_costs"):
             from blockpilot.builder.manifest import StepCosts
@@ -265,7 +274,8 @@ class OnnxBlockSizePolicy:
 
     def revise(self, block_size: int, accept_lengths: list[int], steps_at_size: int, supported) -> int:
         """The block size a request decoding at `block_size` should continue with (see the module
-        docstring); `block_size` itself when there is no step-cost table or too little evidence.
+        docstring); `block_size` itself when revision is off (`revise_min_steps` None, the default),
+        the predictor has no step-cost table, or the evidence is too thin.
 
         Args:
             block_size: the request's current block size.
@@ -273,11 +283,12 @@ class OnnxBlockSizePolicy:
             steps_at_size: how many of those steps ran at `block_size`.
             supported: `supported(k)` is True for block sizes the backend can run.
         """
-        if self.step_costs is None:
+        if self.step_costs is None or self.revise_min_steps is None:
             return block_size
         sizes = [k for k in self.candidates if k <= block_size and (k == 1 or supported(k))
                  and k in self.step_costs.target_ms and (k == 1 or k in self.step_costs.drafter_ms)]
-        return revise_block_size(block_size, accept_lengths, steps_at_size, sizes, self.step_costs.step_ms)
+        return revise_block_size(block_size, accept_lengths, steps_at_size, sizes, self.step_costs.step_ms,
+                                 self.revise_min_steps, self.revise_margin)
 
     def probabilities(self, features: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
         """Predictor output `(B, K)` for features `(B, F)` (float32, CPU) at sampling `temperature`."""
