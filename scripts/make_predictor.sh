@@ -3,12 +3,16 @@
 # src/blockpilot/assets/drafters/ now (rerun it after the drafter changes: the predictor is pinned to
 # the drafter's weights, and the embedded engine dir rebuilds when the predictor file changes).
 #
-#   scripts/make_predictor.sh                 # everything, T = 0 exact replay on the held-out split
+#   scripts/make_predictor.sh                 # everything, T = 0 exact replay on three prompt sets the drafter
+#                                             # never trained on: its held-out split, 298 stdlib-code tasks and
+#                                             # 300 ShareGPT first turns (the target's answers are in data/)
 #   LIMIT=64 scripts/make_predictor.sh        # fewer prompts (the dataset resumes: rerun to add more)
 #   SAMPLED=32 scripts/make_predictor.sh      # also label 32 prompts by sampled decoding at T = 0.7 and 1
 #
 # Environment (defaults in brackets):
 #   ANSWERS [data/smollm2-answers-9831.jsonl.gz]  the answers file the drafter was trained on
+#   STDLIB [data/smollm2-stdlib-answers-3574.jsonl.gz]  answers to stdlib-code tasks the drafter never saw
+#   SHAREGPT [data/smollm2-sharegpt-answers-*.jsonl.gz]  answers to ShareGPT turns the drafter never saw
 #   VALID [256]  SEED [0]   the drafter's `train-drafter --valid/--seed`: its held-out split is labelled
 #   CANDIDATES [1,2,3,4,6,8,10,12,16]   1 = plain decoding
 #   MAX_NEW [96]   LIMIT [all]   RUNS [runs/predictor]
@@ -19,6 +23,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 BP=${BP:-.venv/bin/blockpilot}
 ANSWERS=${ANSWERS:-data/smollm2-answers-9831.jsonl.gz}
+STDLIB=${STDLIB:-data/smollm2-stdlib-answers-3574.jsonl.gz}
+SHAREGPT=${SHAREGPT:-$(ls data/smollm2-sharegpt-answers-*.jsonl.gz | head -1)}
 VALID=${VALID:-256}
 SEED=${SEED:-0}
 CANDIDATES=${CANDIDATES:-1,2,3,4,6,8,10,12,16}
@@ -50,7 +56,24 @@ fi
     --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${LIMIT:+--limit "$LIMIT"} --out "$RUNS/labels-t0" \
     --clock cpu --calibration-prompts 1 --calibration-reps 2 \
     --note "held-out split of $ANSWERS (--valid $VALID --seed $SEED), T = 0 exact replay"
-datasets=(--dataset "$RUNS/labels-t0")
+# Two more sets the drafter never trained on, closer to real requests than its own split: every 12th
+# stdlib-code task from the 6th on (298) and the first 300 ShareGPT answers.
+"$PY" - "$STDLIB" "$SHAREGPT" "$RUNS" <<'EOF'
+import gzip, json, sys
+std, sharegpt, runs = sys.argv[1:]
+rows = lambda path: [json.loads(line) for line in gzip.open(path, "rt") if line.strip()]
+with open(f"{runs}/stdlib-300.jsonl", "w") as out:
+    out.writelines(json.dumps(r) + "\n" for r in rows(std)[5::12][:300])
+with open(f"{runs}/sharegpt-new-300.jsonl", "w") as out:
+    out.writelines(json.dumps(r) + "\n" for r in rows(sharegpt)[:300])
+EOF
+for set in stdlib sharegpt; do
+  file="$RUNS/$([[ $set == stdlib ]] && echo stdlib-300 || echo sharegpt-new-300).jsonl"
+  "$BP" label --drafter "$DRAFTER" --replay-answers "$file" --block-sizes "$CANDIDATES" \
+      --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${LIMIT:+--limit "$LIMIT"} --out "$RUNS/labels-$set-t0" \
+      --clock cpu --calibration-prompts 1 --calibration-reps 2 --note "$file (not in the drafter's training data), T = 0 exact replay"
+done
+datasets=(--dataset "$RUNS/labels-t0" --dataset "$RUNS/labels-stdlib-t0" --dataset "$RUNS/labels-sharegpt-t0")
 if (( SAMPLED > 0 )); then
   for t in 0.7 1.0; do
     "$BP" label --drafter "$DRAFTER" --prompts "$RUNS/heldout.jsonl" --block-sizes "$CANDIDATES" \
@@ -60,7 +83,7 @@ if (( SAMPLED > 0 )); then
   done
 fi
 temperature=$( (( SAMPLED > 0 )) && echo --with-temperature || true)
-"$BP" train-predictor "${datasets[@]}" --objective throughput --features pooled --hidden 256 $temperature \
+"$BP" train-predictor "${datasets[@]}" --objective throughput --loss regret --features pooled --hidden 64 $temperature \
     --target "$("$PY" -c "from blockpilot.assets.smollm2 import smollm2_dir; print(smollm2_dir())")" \
     --drafter "$DRAFTER" --out "$OUT"
 echo "wrote $OUT (report beside it); the embedded engine dir rebuilds on next use"
