@@ -81,6 +81,7 @@ def test_prompts_too_long_for_the_engine_cache_are_skipped(engine, tmp_path, cap
     (["--backend", "onnxruntime", "--device", "cuda", "--engine-dir", "ENGINE"], "runs on the CPU"),
     (["--engine-dir", "NOWHERE"], "NOWHERE"),
     (["--engine-dir", "ENGINE", "--threads", "0"], "--threads must be positive"),
+    (["--backend", "tensorrt"], "drop --backend tensorrt"),
 ])
 def test_bad_answer_options_end_in_one_line_and_exit_2(engine, target, tmp_path, capsys, extra, message):
     prompts = _prompts_file(tmp_path)

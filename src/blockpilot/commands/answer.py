@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockpilot.commands.common import add_device_arg
+from blockpilot.commands.common import BACKENDS, add_device_arg
 
 
 def add_parser(subparsers) -> None:
@@ -25,10 +25,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     p.add_argument("--time-budget", type=float, help="minutes; no new batch starts after it (resume later)")
-    p.add_argument("--backend", choices=("auto", "onnxruntime", "torch"), default="auto",
+    p.add_argument("--backend", choices=BACKENDS,
                    help="onnxruntime: plain decoding of an engine directory's target, continuously batched (the "
-                   "embedded default's cached engine dir, or --engine-dir); torch: transformers generate; auto: "
-                   "onnxruntime on the CPU when an engine dir is at hand (embedded target or --engine-dir), else torch")
+                   "embedded default's cached engine dir, or --engine-dir); torch: transformers generate (default: "
+                   "onnxruntime on the CPU when an engine dir is at hand, the embedded target or --engine-dir, "
+                   "else torch)")
     p.add_argument("--engine-dir", type=Path,
                    help="engine directory of --target (from blockpilot build) for --backend onnxruntime")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
@@ -55,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.out.parent.is_dir():
         raise UserError(f"--out {args.out}: folder {args.out.parent} does not exist; create it first")
     backend = args.backend
-    if backend == "auto":
+    if backend == "tensorrt":
+        raise UserError("answer runs on onnxruntime (the CPU, batched) or torch (any device); drop --backend tensorrt")
+    if backend is None:
         backend = "onnxruntime" if device == "cpu" and (args.target is None or args.engine_dir) else "torch"
     if backend == "onnxruntime":
         _answer_onnxruntime(args, prompts)

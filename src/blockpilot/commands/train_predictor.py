@@ -23,9 +23,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", type=Path, required=True, help="output predictor .onnx")
     p.add_argument("--objective", choices=("tau", "throughput"), default="tau",
                    help="label: argmax tau (paper) or argmax tau / measured step time")
-    p.add_argument("--loss", choices=("ce", "regret"), default="ce",
-                   help="ce: cross-entropy on the best block size of each prompt; regret: the expected relative "
-                   "loss of the objective under the predicted probabilities (near-ties cost nothing)")
+    p.add_argument("--loss", choices=("regret", "ce"), default="regret",
+                   help="regret: the expected relative loss of the objective under the predicted probabilities "
+                   "(near-ties cost nothing; 1.7%% more tokens/s than ce on the shipped predictor's data); ce: "
+                   "cross-entropy on the best block size of each prompt")
     p.add_argument("--features", choices=("pooled", "logits"), default="pooled",
                    help="mean-pooled last hidden state (default) or last-token prefill logits")
     p.add_argument("--hidden", type=int, default=2048, help="width of the MLP's hidden layer")

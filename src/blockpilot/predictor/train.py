@@ -48,7 +48,7 @@ class TrainSettings:
     threshold: float = 0.0
     seed: int = 0
     candidates: tuple[int, ...] | None = None  # a subset of the datasets' candidates (None: all of them)
-    loss: str = "ce"  # "ce" (oracle class) or "regret" (expected relative loss of the objective)
+    loss: str = "regret"  # "regret" (expected relative loss of the objective) or "ce" (oracle class)
 
 
 @dataclasses.dataclass
