@@ -13,6 +13,8 @@
 #   ANSWERS [data/smollm2-answers-9831.jsonl.gz]  the answers file the drafter was trained on
 #   STDLIB [data/smollm2-stdlib-answers-3574.jsonl.gz]  answers to stdlib-code tasks the drafter never saw
 #   SHAREGPT [data/smollm2-sharegpt-answers-*.jsonl.gz]  answers to ShareGPT turns the drafter never saw
+#   CHAMP [data/smollm2-champ-answers-270.jsonl.gz]  answers to natural-language competition math problems
+#   CHAMP_LIMIT [145]  how many of them are labelled (the shipped predictor's labels had the first 145)
 #   VALID [256]  SEED [0]   the drafter's `train-drafter --valid/--seed`: its held-out split is labelled
 #   CANDIDATES [1,2,3,4,6,8,10,12,16]   1 = plain decoding
 #   MAX_NEW [96]   LIMIT [all]   RUNS [runs/predictor]
@@ -25,6 +27,8 @@ BP=${BP:-.venv/bin/blockpilot}
 ANSWERS=${ANSWERS:-data/smollm2-answers-9831.jsonl.gz}
 STDLIB=${STDLIB:-data/smollm2-stdlib-answers-3574.jsonl.gz}
 SHAREGPT=${SHAREGPT:-$(ls data/smollm2-sharegpt-answers-*.jsonl.gz | head -1)}
+CHAMP=${CHAMP:-data/smollm2-champ-answers-270.jsonl.gz}
+CHAMP_LIMIT=${CHAMP_LIMIT:-145}
 VALID=${VALID:-256}
 SEED=${SEED:-0}
 CANDIDATES=${CANDIDATES:-1,2,3,4,6,8,10,12,16}
@@ -58,22 +62,26 @@ fi
     --note "held-out split of $ANSWERS (--valid $VALID --seed $SEED), T = 0 exact replay"
 # Two more sets the drafter never trained on, closer to real requests than its own split: every 12th
 # stdlib-code task from the 6th on (298) and the first 300 ShareGPT answers.
-"$PY" - "$STDLIB" "$SHAREGPT" "$RUNS" <<'EOF'
+"$PY" - "$STDLIB" "$SHAREGPT" "$CHAMP" "$RUNS" <<'EOF'
 import gzip, json, sys
-std, sharegpt, runs = sys.argv[1:]
+std, sharegpt, champ, runs = sys.argv[1:]
 rows = lambda path: [json.loads(line) for line in gzip.open(path, "rt") if line.strip()]
 with open(f"{runs}/stdlib-300.jsonl", "w") as out:
     out.writelines(json.dumps(r) + "\n" for r in rows(std)[5::12][:300])
 with open(f"{runs}/sharegpt-new-300.jsonl", "w") as out:
     out.writelines(json.dumps(r) + "\n" for r in rows(sharegpt)[:300])
+with open(f"{runs}/champ.jsonl", "w") as out:
+    out.writelines(json.dumps(r) + "\n" for r in rows(champ))
 EOF
-for set in stdlib sharegpt; do
-  file="$RUNS/$([[ $set == stdlib ]] && echo stdlib-300 || echo sharegpt-new-300).jsonl"
+for set in stdlib sharegpt champ; do
+  case $set in stdlib) file="$RUNS/stdlib-300.jsonl" limit=${LIMIT:-} ;; sharegpt) file="$RUNS/sharegpt-new-300.jsonl" limit=${LIMIT:-} ;;
+               champ) file="$RUNS/champ.jsonl" limit=${LIMIT:-$CHAMP_LIMIT} ;; esac
   "$BP" label --drafter "$DRAFTER" --replay-answers "$file" --block-sizes "$CANDIDATES" \
-      --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${LIMIT:+--limit "$LIMIT"} --out "$RUNS/labels-$set-t0" \
+      --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${limit:+--limit "$limit"} --out "$RUNS/labels-$set-t0" \
       --clock cpu --calibration-prompts 1 --calibration-reps 2 --note "$file (not in the drafter's training data), T = 0 exact replay"
 done
-datasets=(--dataset "$RUNS/labels-t0" --dataset "$RUNS/labels-stdlib-t0" --dataset "$RUNS/labels-sharegpt-t0")
+datasets=(--dataset "$RUNS/labels-t0" --dataset "$RUNS/labels-stdlib-t0" --dataset "$RUNS/labels-sharegpt-t0"
+          --dataset "$RUNS/labels-champ-t0")
 if (( SAMPLED > 0 )); then
   for t in 0.7 1.0; do
     "$BP" label --drafter "$DRAFTER" --prompts "$RUNS/heldout.jsonl" --block-sizes "$CANDIDATES" \
