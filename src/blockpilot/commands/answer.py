@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be positive (got {value})")
     if args.target is not None and not (args.target / "config.json").is_file():
         raise UserError(f"--target {args.target}: no config.json there; give a Hugging Face model dir")
+    if args.backend == "tensorrt":
+        raise UserError("answer runs on onnxruntime (the CPU, batched) or torch (any device); drop --backend tensorrt")
     if args.backend == "onnxruntime" and args.device not in ("auto", "cpu"):
         raise UserError(f"--backend onnxruntime runs on the CPU; drop --device {args.device} or use --backend torch")
     device = resolve_device(args.device)
@@ -56,8 +58,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.out.parent.is_dir():
         raise UserError(f"--out {args.out}: folder {args.out.parent} does not exist; create it first")
     backend = args.backend
-    if backend == "tensorrt":
-        raise UserError("answer runs on onnxruntime (the CPU, batched) or torch (any device); drop --backend tensorrt")
     if backend is None:
         backend = "onnxruntime" if device == "cpu" and (args.target is None or args.engine_dir) else "torch"
     if backend == "onnxruntime":

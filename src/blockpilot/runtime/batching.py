@@ -76,7 +76,6 @@ class _Active:
     new_tokens: list[int] = dataclasses.field(default_factory=list)  # to report at the next step
     done: bool = False
     adaptive: bool = False  # the block size came from the predictor and may be revised downwards
-    steps_at_size: int = 0  # verify steps run at the current block size
     moving: bool = False  # leaving one group for another (its tokens are already reported)
 
 
@@ -154,8 +153,7 @@ class BatchDecoder:
                 and len(self) >= self.disable_speculation_from):
             block_size = 1
         result.block_size = k = runner.choose_block_size(result, block_size, prefill, params.temperature)
-        adaptive = (block_size in (None, "auto") and hasattr(runner.policy, "revise") and k > 1
-                    and getattr(runner.policy, "revise_min_steps", 0) is not None)
+        adaptive = block_size in (None, "auto") and hasattr(runner.policy, "revise") and k > 1
         active = _Active(next(self._ids), result, params, generator, request.max_new_tokens, end_id, k, last,
                          prefill.taps, 0, len(ids), state, adaptive=adaptive)
         active.done = self._commit(active, [int(last)])
@@ -273,17 +271,18 @@ class BatchDecoder:
         return events
 
     def _revise(self, active: _Active) -> bool:
-        """Count the step; for a predictor-chosen size, ask the policy whether a smaller block pays
-        better now (True: the request moves to that size)."""
-        active.steps_at_size += 1
+        """For a predictor-chosen size, ask the policy whether a smaller block pays better now (True:
+        the request moves to that size)."""
         if not active.adaptive:
             return False
-        k = self.runner.policy.revise(active.k, active.result.accept_lengths, active.steps_at_size,
+        result = active.result
+        since = result.block_size_switches[-1][0] if result.block_size_switches else 0  # steps before this size
+        k = self.runner.policy.revise(active.k, result.accept_lengths, len(result.accept_lengths) - since,
                                       self.backend.supports_block_size)
         if k == active.k:
             return False
-        active.result.block_size_switches.append((len(active.result.accept_lengths), k))
-        active.k, active.steps_at_size, active.adaptive = k, 0, k > 1
+        result.block_size_switches.append((len(result.accept_lengths), k))
+        active.k, active.adaptive = k, k > 1
         return True
 
     def _draft_rows(self, state: DecodeState, members: list[_Active]) -> torch.Tensor:

@@ -97,16 +97,13 @@ def feature_width(kind: str, target_config) -> int:
 
 
 def revise_block_size(block_size: int, accept_lengths: list[int], steps_at_size: int, sizes, step_ms,
-                      min_steps: int | None = None, margin: float | None = None) -> int:
+                      min_steps: int = REVISE_MIN_STEPS, margin: float = REVISE_MARGIN) -> int:
     """The candidate of `sizes` (all <= `block_size`) with the best expected tokens per second, given
     the accepted lengths so far; `block_size` unless it wins by `margin` after `min_steps` steps there.
 
     Expected tokens per step at size k from steps that accepted `a_i = accept_lengths[i] - 1`
-    drafts: `1 + mean(min(a_i, k - 1))`; per second: that over `step_ms(k)`. `min_steps` and `margin`
-    default to `REVISE_MIN_STEPS` and `REVISE_MARGIN`.
+    drafts: `1 + mean(min(a_i, k - 1))`; per second: that over `step_ms(k)`.
     """
-    min_steps = REVISE_MIN_STEPS if min_steps is None else min_steps
-    margin = REVISE_MARGIN if margin is None else margin
     if block_size <= 1 or steps_at_size < min_steps or not accept_lengths:
         return block_size
     drafts = torch.tensor(accept_lengths, dtype=torch.float64) - 1

@@ -66,6 +66,20 @@ def tokenize_rows(rows: list[dict], tokenizer, max_len: int) -> list[Sequence]:
     return sequences
 
 
+def _answered_prompts(out_path: Path) -> set[str]:
+    """Prompts an answers file being appended to already holds (empty when it does not exist yet)."""
+    return {r["prompt"] for r in read_answer_rows(out_path)} if out_path.exists() and out_path.stat().st_size else set()
+
+
+def _answer_line(tokenizer, source: str, prompt: str, generated: list[int], end_id: int | None) -> str:
+    """One answers-file row: the generated ids up to the end token (`finish` "stop"), else all of them."""
+    stop = end_id is not None and end_id in generated
+    answer_ids = generated[: generated.index(end_id)] if stop else generated
+    return json.dumps({"source": source, "prompt": prompt,
+                       "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
+                       "answer_ids": answer_ids, "finish": "stop" if stop else "length"}) + "\n"
+
+
 @torch.inference_mode()
 def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: int, batch_size: int,
                        out_path: Path, sources: list[str] | None = None, device: str = "cpu",
@@ -82,7 +96,7 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
-    done = {r["prompt"] for r in read_answer_rows(out_path)} if out_path.exists() and out_path.stat().st_size else set()
+    done = _answered_prompts(out_path)
     sources = sources or [""] * len(prompts)
     todo = [(chat_prompt_ids(tokenizer, p), p, sources[i]) for i, p in enumerate(prompts) if p not in done]
     todo.sort(key=lambda item: len(item[0]))  # similar lengths share a batch: little padding
@@ -98,11 +112,7 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id)
             for (_, prompt, source), row in zip(batch, gen[:, width:].tolist()):
-                stop = tokenizer.eos_token_id in row
-                answer_ids = row[: row.index(tokenizer.eos_token_id)] if stop else row
-                out.write(json.dumps({"source": source, "prompt": prompt,
-                                      "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
-                                      "answer_ids": answer_ids, "finish": "stop" if stop else "length"}) + "\n")
+                out.write(_answer_line(tokenizer, source, prompt, row, tokenizer.eos_token_id))
             out.flush()
             bar.update(len(batch))
     return out_path
@@ -117,13 +127,13 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
     answers in every step, and a finished answer leaves the batch at once and is appended to
     `out_path` as one complete line (so an interruption loses only the answers in flight, and a
     rerun skips every prompt already there). With `time_budget_s`, no new prompt starts once the
-    budget is spent; those in flight finish. Rows as `regenerate_answers` writes them. A prompt too
-    long for the engine's cache is skipped with a count at the end.
+    budget is spent; those in flight finish. Rows as `regenerate_answers` writes them. A prompt the
+    decoder refuses (too long for the engine's cache) is skipped with a count at the end.
     """
     from blockpilot.runtime.batching import BatchDecoder, GenerationRequest
 
     began = time.perf_counter()
-    done = {r["prompt"] for r in read_answer_rows(out_path)} if out_path.exists() and out_path.stat().st_size else set()
+    done = _answered_prompts(out_path)
     sources = sources or [""] * len(prompts)
     todo = [(p, sources[i]) for i, p in enumerate(prompts) if p not in done]
     end_id = runner.end_id if runner.end_id is not None else tokenizer.eos_token_id
@@ -135,25 +145,20 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
             while todo and len(decoder) < decoder.max_batch and not (
                     time_budget_s is not None and time.perf_counter() - began > time_budget_s):
                 prompt, source = todo.pop(0)
-                ids = chat_prompt_ids(tokenizer, prompt)
-                if len(ids) + max_new_tokens + 1 > decoder.max_capacity:
+                request = GenerationRequest(chat_prompt_ids(tokenizer, prompt), max_new_tokens, block_size=1,
+                                            end_id=end_id)
+                try:
+                    in_flight[decoder.add(request)] = (prompt, source)
+                except UserError:  # prompt + max_new_tokens beyond the cache
                     skipped += 1
                     bar.update(1)
-                    continue
-                rid = decoder.add(GenerationRequest(ids, max_new_tokens, block_size=1, end_id=end_id))
-                in_flight[rid] = (prompt, source)
             if not in_flight:
                 break
             for event in decoder.step():
                 if not event.finished:
                     continue
                 prompt, source = in_flight.pop(event.request_id)
-                tokens = list(event.result.output_tokens)
-                stop = end_id in tokens
-                answer_ids = tokens[: tokens.index(end_id)] if stop else tokens
-                out.write(json.dumps({"source": source, "prompt": prompt,
-                                      "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
-                                      "answer_ids": answer_ids, "finish": "stop" if stop else "length"}) + "\n")
+                out.write(_answer_line(tokenizer, source, prompt, list(event.result.output_tokens), end_id))
                 out.flush()
                 bar.update(1)
     if todo:
