@@ -187,3 +187,51 @@ def test_a_resumed_budget_run_keeps_its_fitted_step_count(tmp_path):
     assert resumed.load_checkpoint()
     assert (resumed.step, resumed.total_steps) == (6, 50)
     assert resumed.lr_factor() == first.lr_factor()
+
+
+def _sequences(count=7, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    from blockpilot.training.data import Sequence
+
+    return [Sequence(tuple(torch.randint(0, 97, (int(n),), generator=gen).tolist()), 3)
+            for n in torch.randint(8, 40, (count,), generator=gen)]
+
+
+def test_taps_cached_on_disk_equal_the_taps_computed_in_memory(tmp_path):
+    from blockpilot.training.features import cached_taps, extract_taps, load_cached_taps
+
+    target, drafter = _tiny(tmp_path)
+    sequences, layers = _sequences(), drafter.config.target_layer_ids
+    expected = extract_taps(target, sequences, layers, tokens_per_batch=64)
+    on_disk = cached_taps(tmp_path / "cache", target, sequences, layers, "key-a", tokens_per_batch=64)
+    loaded = load_cached_taps(tmp_path / "cache", "key-a")
+    assert loaded is not None and loaded[0] == sequences
+    for want, got, again in zip(expected, on_disk, loaded[1]):
+        assert got.dtype == torch.bfloat16 and torch.equal(want, got) and torch.equal(want, again)
+    assert load_cached_taps(tmp_path / "cache", "key-b") is None  # other answers: not this cache
+
+
+def test_an_interrupted_feature_extraction_resumes_at_its_last_finished_batch(tmp_path, monkeypatch):
+    from blockpilot.training import features
+
+    target, drafter = _tiny(tmp_path)
+    sequences, layers = _sequences(), drafter.config.target_layer_ids
+    expected = features.extract_taps(target, sequences, layers, tokens_per_batch=64)
+    batches = len(features._length_groups([len(s.ids) for s in sequences], 64))
+    real, calls = target.forward, []
+
+    def dies_after_two_batches(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", dies_after_two_batches)
+    with pytest.raises(KeyboardInterrupt):
+        features.cached_taps(tmp_path / "cache", target, sequences, layers, "k", tokens_per_batch=64)
+    assert features.load_cached_taps(tmp_path / "cache", "k") is None  # incomplete: not usable yet
+    calls.clear()
+    monkeypatch.setattr(target, "forward", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    resumed = features.cached_taps(tmp_path / "cache", target, sequences, layers, "k", tokens_per_batch=64)
+    assert len(calls) == batches - 2
+    assert all(torch.equal(a, b) for a, b in zip(expected, resumed))

@@ -1,9 +1,13 @@
-"""File helpers shared by the packages: content hashes."""
+"""File helpers shared by the packages: content hashes, atomic writes."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 from pathlib import Path
+
+PUBLIC_FILE_MODE = 0o644  # temporary files are created 0600; what we write is for everyone to read
 
 
 def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
@@ -13,3 +17,18 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
         while chunk := stream.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same directory and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.chmod(tmp, PUBLIC_FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -44,6 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from blockpilot.errors import UserError
+from blockpilot.files import write_text_atomic
 from blockpilot.runtime.policy import FEATURE_KINDS, prefill_features
 
 LABEL_FORMAT = "blockpilot-labels"
@@ -250,12 +251,7 @@ def save_rows_atomic(ids: list[str], rows: dict[str, torch.Tensor], file: Path) 
 
 def write_json_atomic(data: dict, file: Path) -> None:
     """Write `data` as JSON through a temporary sibling and a rename."""
-    file.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
-    with os.fdopen(handle, "w") as stream:
-        stream.write(json.dumps(data, indent=2) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, file)
+    write_text_atomic(file, json.dumps(data, indent=2) + "\n")
 
 
 def consolidate(path: Path) -> int:

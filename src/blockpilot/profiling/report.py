@@ -12,21 +12,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from blockpilot.files import PUBLIC_FILE_MODE, write_text_atomic
+
 PLOTS = ("tau_by_block_size.png", "oracle_block_sizes.png", "speedup.png")
-REPORT_FILE_MODE = 0o644  # temporary files are created 0600; reports are for everyone to read
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same directory."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.chmod(tmp, REPORT_FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_report(out_dir: Path, results: dict) -> list[Path]:
@@ -192,7 +180,7 @@ def _save(fig, path: Path) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.chmod(tmp, REPORT_FILE_MODE)
+        os.chmod(tmp, PUBLIC_FILE_MODE)
         os.replace(tmp, path)
     finally:
         plt.close(fig)

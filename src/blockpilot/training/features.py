@@ -1,49 +1,134 @@
 """Teacher-forced target taps for drafter training, computed once and cached on disk.
 
 One target pass over prompt + answer gives, at every position, the outputs of the tapped layers
-(HF `hidden_states[l + 1]`), exactly what the runtime feeds the drafter as context. They are
-stored in bf16 in one safetensors file (`seq_{i}` -> `(L_i, taps * H)`), next to the sequences.
+(HF `hidden_states[l + 1]`), exactly what the runtime feeds the drafter as context. On the CPU they
+are written in bf16 into one raw file (`taps.bf16`, `(total tokens, taps * H)`) batch by batch and
+read back through a memory map, so a corpus larger than memory trains (3M tokens of SmolLM2 with 5
+taps are 17 GB) and an interrupted extraction resumes at its last finished batch. `taps.json` says
+what the file holds (the key of the answers it came from, the sequences, which batches are done).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from blockpilot.files import write_text_atomic
 from blockpilot.models.decoder import Decoder, KVCache
 from blockpilot.training.data import Sequence
+
+TAPS_FILE = "taps.bf16"
+INDEX_FILE = "taps.json"
 
 
 @torch.inference_mode()
 def extract_taps(target: Decoder, sequences: list[Sequence], tap_layers: tuple[int, ...],
                  tokens_per_batch: int | None = None, autocast: bool = True) -> list[torch.Tensor]:
-    """Per-sequence taps `(L_i, len(tap_layers) * H)` in bf16, batched by similar length.
-
-    Runs on the target's device and leaves the taps there; `tokens_per_batch` defaults to 4096 on
-    CPU and 32768 on CUDA."""
-    device = target.embed_tokens.weight.device
-    tokens_per_batch = tokens_per_batch or (32768 if device.type == "cuda" else 4096)
-    lengths = [len(s.ids) for s in sequences]
+    """Per-sequence taps `(L_i, len(tap_layers) * H)` in bf16, in memory on the target's device."""
     out: list[torch.Tensor | None] = [None] * len(sequences)
+    for _, group, taps in _tap_batches(target, sequences, tap_layers, tokens_per_batch, autocast, done=set()):
+        for row, i in enumerate(group):
+            out[i] = taps[row, : len(sequences[i].ids)].clone()
+    return out  # type: ignore[return-value]
+
+
+def cached_taps(path: Path, target: Decoder, sequences: list[Sequence], tap_layers: tuple[int, ...], key: str,
+                tokens_per_batch: int | None = None, autocast: bool = True) -> list[torch.Tensor]:
+    """The taps of `sequences`, computed into `path` where missing and returned as memory-mapped views.
+
+    A cache made for another `key` (other answers, taps or length cut) is replaced."""
+    path.mkdir(parents=True, exist_ok=True)
+    lengths = [len(s.ids) for s in sequences]
+    width = len(tap_layers) * target.config.hidden_size
+    tokens_per_batch = _tokens_per_batch(target, tokens_per_batch)
+    wanted = {"key": key, "width": width, "tokens_per_batch": tokens_per_batch, "lengths": lengths}
+    index = _read_index(path)
+    data = path / TAPS_FILE
+    if index is None or {k: index.get(k) for k in wanted} != wanted or not data.is_file():
+        data.unlink(missing_ok=True)
+        index = {**wanted, "done": [], "complete": False,
+                 "sequences": [{"ids": list(s.ids), "answer_start": s.answer_start, "source": s.source}
+                               for s in sequences]}
+        with open(data, "wb") as f:  # sparse until written
+            f.truncate(sum(lengths) * width * 2)
+        write_text_atomic(path / INDEX_FILE, json.dumps(index))
+    if not index["complete"]:
+        store = np.memmap(data, dtype=np.uint16, mode="r+", shape=(sum(lengths), width))
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        done = set(index["done"])
+        for number, group, taps in _tap_batches(target, sequences, tap_layers, tokens_per_batch, autocast, done):
+            for row, i in enumerate(group):
+                store[offsets[i]: offsets[i + 1]] = taps[row, : lengths[i]].cpu().view(torch.int16).numpy().view(np.uint16)
+            store.flush()
+            done.add(number)
+            index["done"] = sorted(done)
+            write_text_atomic(path / INDEX_FILE, json.dumps(index))
+        index["complete"] = True
+        write_text_atomic(path / INDEX_FILE, json.dumps(index))
+        del store
+    return _views(data, lengths, width)
+
+
+def load_cached_taps(path: Path, key: str) -> tuple[list[Sequence], list[torch.Tensor]] | None:
+    """The sequences and memory-mapped taps of a complete cache made for `key`, else None."""
+    index = _read_index(path)
+    if index is None or index.get("key") != key or not index.get("complete") or not (path / TAPS_FILE).is_file():
+        return None
+    sequences = [Sequence(tuple(s["ids"]), s["answer_start"], s.get("source", "")) for s in index["sequences"]]
+    return sequences, _views(path / TAPS_FILE, index["lengths"], index["width"])
+
+
+def _read_index(path: Path) -> dict | None:
+    try:
+        return json.loads((path / INDEX_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _views(data: Path, lengths: list[int], width: int) -> list[torch.Tensor]:
+    """Per-sequence bf16 views into the file (copy-on-write map: pages are read when a batch needs them)."""
+    if not lengths:
+        return []
+    store = np.memmap(data, dtype=np.uint16, mode="c", shape=(sum(lengths), width))
+    flat = torch.from_numpy(store).view(torch.bfloat16)
+    return list(torch.split(flat, lengths))
+
+
+def _tokens_per_batch(target: Decoder, tokens_per_batch: int | None) -> int:
+    """4096 tokens per batch on CPU, 32768 on CUDA, unless given."""
+    return tokens_per_batch or (32768 if target.embed_tokens.weight.device.type == "cuda" else 4096)
+
+
+@torch.inference_mode()
+def _tap_batches(target: Decoder, sequences: list[Sequence], tap_layers: tuple[int, ...],
+                 tokens_per_batch: int | None, autocast: bool, done: set[int]
+                 ) -> Iterator[tuple[int, list[int], torch.Tensor]]:
+    """(batch number, sequence indices, bf16 taps `(len(group), width, F)`) for the length-sorted batches
+    not in `done`, on the target's device."""
+    device = target.embed_tokens.weight.device
+    lengths = [len(s.ids) for s in sequences]
+    groups = _length_groups(lengths, _tokens_per_batch(target, tokens_per_batch))
     progress = tqdm(total=sum(lengths), desc="target features", unit="tok")
-    for group in _length_groups(lengths, tokens_per_batch):
+    progress.update(sum(lengths[i] for number in done if number < len(groups) for i in groups[number]))
+    for number, group in enumerate(groups):
+        if number in done:
+            continue
         width = max(lengths[i] for i in group)
         ids = torch.zeros(len(group), width, dtype=torch.long)  # right padding never reaches earlier positions
         for row, i in enumerate(group):
-            ids[row, : len(sequences[i].ids)] = torch.tensor(sequences[i].ids)
+            ids[row, : lengths[i]] = torch.tensor(sequences[i].ids)
         ids = ids.to(device)
         cache = KVCache.allocate(target.config, len(group), width, torch.float32, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             taps = target(target.embed_tokens(ids), torch.arange(width, device=device), cache, width, tap_layers).taps
-        for row, i in enumerate(group):
-            out[i] = taps[row, : len(sequences[i].ids)].to(torch.bfloat16).clone()
+        yield number, group, taps.to(torch.bfloat16)
         progress.update(sum(lengths[i] for i in group))
     progress.close()
-    return out  # type: ignore[return-value]
 
 
 def _length_groups(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
@@ -55,24 +140,3 @@ def _length_groups(lengths: list[int], tokens_per_batch: int) -> list[list[int]]
             group = []
         group.append(i)
     return groups + ([group] if group else [])
-
-
-def save_feature_cache(path: Path, sequences: list[Sequence], taps: list[torch.Tensor], meta: dict) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "features.safetensors.tmp"
-    save_file({f"seq_{i}": t.cpu().contiguous() for i, t in enumerate(taps)}, tmp)
-    (path / "sequences.json").write_text(json.dumps({
-        "meta": meta,
-        "sequences": [{"ids": list(s.ids), "answer_start": s.answer_start, "source": s.source} for s in sequences],
-    }))
-    tmp.replace(path / "features.safetensors")
-
-
-def load_feature_cache(path: Path) -> tuple[list[Sequence], list[torch.Tensor], dict] | None:
-    """The cached sequences, taps and metadata, or None when there is no complete cache."""
-    if not (path / "features.safetensors").is_file() or not (path / "sequences.json").is_file():
-        return None
-    raw = json.loads((path / "sequences.json").read_text())
-    tensors = load_file(path / "features.safetensors")
-    sequences = [Sequence(tuple(s["ids"]), s["answer_start"], s.get("source", "")) for s in raw["sequences"]]
-    return sequences, [tensors[f"seq_{i}"] for i in range(len(sequences))], raw["meta"]

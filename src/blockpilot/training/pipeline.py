@@ -18,7 +18,7 @@ from blockpilot.models.config import DecoderConfig, DrafterConfig, check_drafter
 from blockpilot.models.dflash import DFlashDrafter
 from blockpilot.text import load_tokenizer
 from blockpilot.training.data import read_answer_rows, regenerate_answers, tokenize_rows
-from blockpilot.training.features import extract_taps, load_feature_cache, save_feature_cache
+from blockpilot.training.features import cached_taps, extract_taps, load_cached_taps
 from blockpilot.training.objective import default_gamma
 from blockpilot.training.trainer import MAX_STEPS_UNSET, TrainConfig, TrainData, Trainer
 
@@ -76,14 +76,14 @@ def _features(args, prompts, target, tokenizer, target_dir: Path, work_dir: Path
         "target": str(Path(target_dir).resolve()), "taps": list(tap_layers), "max_len": args.max_len,
         "rows": hashlib.sha256("".join(r["prompt"] + r["answer"] for r in rows).encode()).hexdigest(),
     }, sort_keys=True).encode()).hexdigest()[:16]
-    cached = load_feature_cache(work_dir / "features")
-    if cached is not None and cached[2].get("key") == key:
-        return cached[0], [t.to(args.device) for t in cached[1]]
+    if torch.device(args.device).type != "cpu":  # on a GPU recomputing takes seconds; writing tens of GB does not
+        sequences = tokenize_rows(rows, tokenizer, args.max_len)
+        return sequences, extract_taps(target, sequences, tuple(tap_layers))
+    cached = load_cached_taps(work_dir / "features", key)
+    if cached is not None:
+        return cached
     sequences = tokenize_rows(rows, tokenizer, args.max_len)
-    taps = extract_taps(target, sequences, tuple(tap_layers))
-    if torch.device(args.device).type == "cpu":  # on a GPU recomputing takes seconds; writing tens of GB does not
-        save_feature_cache(work_dir / "features", sequences, taps, {"key": key})
-    return sequences, taps
+    return sequences, cached_taps(work_dir / "features", target, sequences, tuple(tap_layers), key)
 
 
 def train_drafter_from_args(args: argparse.Namespace) -> Path:
