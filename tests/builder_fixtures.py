@@ -50,8 +50,10 @@ def tiny_models(tmp_path_factory, family: str) -> tuple[Path, Path]:
 def tiny_engine_dir(tmp_path_factory, family: str = "llama", opset: int = 24) -> Path:
     """The engine directory of the tiny `family` models at `opset` (block sizes 3 and 5, capacity 40).
 
-    Opset-24 directories are built with the `blockpilot build` command; opset-18 ones through
-    `build_engine_dir` with every graph's weights in an external `.data` file (the large-model path).
+    Opset-24 directories are built with the `blockpilot build` command (with the 4-bit drafter copy
+    onnxruntime runs, the default); opset-18 ones through `build_engine_dir` with every graph's weights
+    in an external `.data` file (the large-model path) and without it, so onnxruntime drafts with the
+    fp32 drafter graph exactly as the torch backend does.
     """
     out = tmp_path_factory.getbasetemp() / "engines" / f"{family}-opset{opset}"
     if (out / "manifest.json").is_file():
@@ -59,7 +61,7 @@ def tiny_engine_dir(tmp_path_factory, family: str = "llama", opset: int = 24) ->
     target, drafter = tiny_models(tmp_path_factory, family)
     if opset == 18:
         build_engine_dir(BuildSpec(target, drafter, out, TINY_BLOCK_SIZES, TINY_MAX_SEQ_LEN, opset=18,
-                                   external_data_bytes=0))
+                                   external_data_bytes=0, int4_drafter=False))
     else:
         sizes = ",".join(str(k) for k in TINY_BLOCK_SIZES)
         code = main(["build", "--target", str(target), "--drafter", str(drafter), "--block-sizes", sizes,

@@ -43,6 +43,8 @@ class BuildSpec:
         trt: also build TensorRT engines (needs TensorRT and a GPU).
         opset: 24 (TensorScatter + Attention, TensorRT >= 10.15) or 18 (ScatterND, any TensorRT 10).
         external_data_bytes: store a graph's weights in a `.data` file above this many bytes.
+        int4_drafter: also write `drafter.int4.onnx`, the drafter with 4-bit weights that the
+            onnxruntime backend runs (fp32 builds only; `blockpilot.builder.quantize`).
     """
 
     target_dir: Path
@@ -55,6 +57,7 @@ class BuildSpec:
     trt: bool = False
     opset: int = 24
     external_data_bytes: int = 1 << 30
+    int4_drafter: bool = True
 
 
 def check_spec(spec: BuildSpec, max_position_embeddings: int) -> None:
@@ -156,7 +159,8 @@ def _load_models(spec: BuildSpec):
     return target, drafter
 
 
-def _export_graphs(spec: BuildSpec, target, drafter, out: Path, log) -> tuple[GraphEntry, GraphEntry, int]:
+def _export_graphs(spec: BuildSpec, target, drafter, out: Path, log) -> tuple[GraphEntry, GraphEntry, int, str | None]:
+    """The two graphs' manifest entries, the batch they take, and the onnxruntime drafter copy (or None)."""
     from blockpilot.builder.export import ExportLimits, export_drafter, export_target
     from blockpilot.builder.profiles import drafter_profiles, target_profiles
 
@@ -168,11 +172,18 @@ def _export_graphs(spec: BuildSpec, target, drafter, out: Path, log) -> tuple[Gr
     log("exporting the drafter graph ...")
     big = _weight_bytes(drafter, target.embed_tokens, target.lm_head) > spec.external_data_bytes
     d_spec = export_drafter(target, drafter, out / "drafter.onnx", limits, spec.opset, external_data=big)
+    ort_drafter = None
+    if spec.int4_drafter and spec.dtype == "fp32":
+        from blockpilot.builder.quantize import INT4_DRAFTER, write_int4_drafter
+
+        log("writing the drafter with 4-bit weights for onnxruntime ...")
+        write_int4_drafter(out / "drafter.onnx", out / INT4_DRAFTER, external_data=big)
+        ort_drafter = INT4_DRAFTER
     t_profiles = target_profiles(t_spec, target.config, spec.block_sizes, spec.max_seq_len)
     d_profiles = drafter_profiles(d_spec, drafter.config, spec.block_sizes, spec.max_seq_len)
     return (GraphEntry("target.onnx", None, t_spec.inputs, t_spec.outputs, t_spec.num_cache_layers, t_profiles),
             GraphEntry("drafter.onnx", None, d_spec.inputs, d_spec.outputs, d_spec.num_cache_layers, d_profiles),
-            limits.max_batch)
+            limits.max_batch, ort_drafter)
 
 
 def build_engine_dir(spec: BuildSpec, log: Callable[[str], None] = lambda message: None,
@@ -199,7 +210,7 @@ def build_engine_dir(spec: BuildSpec, log: Callable[[str], None] = lambda messag
     written: list[Manifest] = []
 
     def fill(out: Path) -> None:
-        target_entry, drafter_entry, max_batch = _export_graphs(spec, target, drafter, out, log)
+        target_entry, drafter_entry, max_batch, ort_drafter = _export_graphs(spec, target, drafter, out, log)
         copy_model_files(spec.target_dir, out / "target")
         copy_model_files(spec.drafter_dir, out / "drafter")
         if spec.predictor is not None:
@@ -211,7 +222,7 @@ def build_engine_dir(spec: BuildSpec, log: Callable[[str], None] = lambda messag
             target=target_entry, drafter=drafter_entry, tokenizer_files=copy_tokenizer_files(spec.target_dir, out),
             predictor="predictor.onnx" if spec.predictor is not None else None, versions=package_versions(),
             sources={"target": str(Path(spec.target_dir).resolve()), "drafter": str(Path(spec.drafter_dir).resolve())},
-            max_batch=max_batch,
+            max_batch=max_batch, ort_drafter=ort_drafter,
         )
         if spec.trt:
             from blockpilot.builder.trt import build_engines

@@ -4,6 +4,7 @@ An engine directory (written by `blockpilot build`) holds:
 
     manifest.json            this file
     target.onnx, drafter.onnx (+ `.data` when the weights are stored externally)
+    drafter.int4.onnx        the drafter with 4-bit weights, for onnxruntime only (fp32 builds)
     target.engine, drafter.engine   TensorRT engines, when built with --trt
     predictor.onnx           block-size predictor, when given
     tokenizer files          copied from the target directory
@@ -164,6 +165,9 @@ class Manifest:
     files: dict[str, str] = dataclasses.field(default_factory=dict)  # relative path -> SHA-256
     max_batch: int = 1  # most rows (requests) one graph call may carry
     step_costs: StepCosts | None = None  # measured on the built graphs (None: not measured)
+    ort_drafter: str | None = None
+    """The drafter graph onnxruntime runs instead of `drafter.onnx` (same I/O): `drafter.int4.onnx`,
+    4-bit weights in onnxruntime's `MatMulNBits` (`blockpilot.builder.quantize`); None: `drafter.onnx`."""
     format_version: int = FORMAT_VERSION
 
     @property

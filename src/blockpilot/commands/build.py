@@ -44,6 +44,9 @@ def add_parser(subparsers) -> None:
                    help="24: TensorScatter + Attention (TensorRT >= 10.15, in-place caches); 18: any TensorRT 10")
     p.add_argument("--out", type=Path, required=True, help="engine directory to write")
     p.add_argument("--trt", action="store_true", help="also build TensorRT engines (needs TensorRT and a GPU)")
+    p.add_argument("--int4-drafter", action=argparse.BooleanOptionalAction, default=True,
+                   help="also write drafter.int4.onnx, the drafter with 4-bit weights that onnxruntime runs (fp32 "
+                   "builds; lossless: the target verifies every draft; about 2x faster drafter calls on CPU)")
     p.add_argument("--no-step-costs", dest="step_costs", action="store_false",
                    help="skip measuring the step-cost table (ms per target forward at K = 1 and each block size, "
                    "drafter ms per block size) on the built graphs; `blockpilot label --step-costs DIR` reads it")
@@ -90,7 +93,8 @@ def resolve_spec(args: argparse.Namespace):
     if max_seq_len is None:
         max_seq_len = min(MAX_SEQ_LEN, DecoderConfig.from_dict(read_config_json(target)).max_position_embeddings)
     return BuildSpec(target_dir=target, drafter_dir=drafter, out_dir=args.out, block_sizes=sizes,
-                     max_seq_len=max_seq_len, dtype=args.dtype, predictor=predictor, trt=args.trt, opset=args.opset)
+                     max_seq_len=max_seq_len, dtype=args.dtype, predictor=predictor, trt=args.trt, opset=args.opset,
+                     int4_drafter=args.int4_drafter)
 
 
 def _models(args: argparse.Namespace) -> tuple[Path, Path, Path | None]:

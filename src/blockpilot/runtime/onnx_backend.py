@@ -48,8 +48,9 @@ def make_session(path: Path, threads: int | None = None):
 class OnnxGraph:
     """One session plus the graph's I/O contract; runs with caches bound in place or replaced."""
 
-    def __init__(self, session, entry: GraphEntry, in_place: bool):
+    def __init__(self, session, entry: GraphEntry, in_place: bool, path: Path | None = None):
         self.session = session
+        self.path = path  # the .onnx file the session runs
         self.entry = entry
         self.in_place = in_place
         self.past_names, self.present_names = entry.past_names, entry.present_names
@@ -116,8 +117,9 @@ class OnnxBackend:
         """Open both graphs of a checked engine directory (`threads`: intra-op threads, None = all cores)."""
         numpy_float_type(manifest.dtype)
         in_place = manifest.opset >= 24
-        graphs = [OnnxGraph(make_session(Path(engine_dir) / e.onnx, threads), e, in_place)
-                  for e in (manifest.target, manifest.drafter)]
+        drafter_file = manifest.ort_drafter or manifest.drafter.onnx  # same I/O, 4-bit weights when built
+        graphs = [OnnxGraph(make_session(Path(engine_dir) / name, threads), entry, in_place, Path(engine_dir) / name)
+                  for name, entry in ((manifest.target.onnx, manifest.target), (drafter_file, manifest.drafter))]
         return cls(manifest, *graphs, target_config, drafter_config)
 
     def supports_block_size(self, block_size: int) -> bool:
