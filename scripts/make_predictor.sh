@@ -14,7 +14,7 @@
 #   STDLIB [data/smollm2-stdlib-answers-3574.jsonl.gz]  answers to stdlib-code tasks the drafter never saw
 #   SHAREGPT [data/smollm2-sharegpt-answers-*.jsonl.gz]  answers to ShareGPT turns the drafter never saw
 #   CHAMP [data/smollm2-champ-answers-270.jsonl.gz]  answers to natural-language competition math problems
-#   CHAMP_LIMIT [145]  how many of them are labelled (the shipped predictor's labels had the first 145)
+#   CHAMP_LIMIT [270]  how many of them are labelled (all 270 for the shipped predictor)
 #   VALID [256]  SEED [0]   the drafter's `train-drafter --valid/--seed`: its held-out split is labelled
 #   CANDIDATES [1,2,3,4,6,8,10,12,16]   1 = plain decoding
 #   MAX_NEW [96]   LIMIT [all]   RUNS [runs/predictor]
@@ -28,7 +28,7 @@ ANSWERS=${ANSWERS:-data/smollm2-answers-9831.jsonl.gz}
 STDLIB=${STDLIB:-data/smollm2-stdlib-answers-3574.jsonl.gz}
 SHAREGPT=${SHAREGPT:-$(ls data/smollm2-sharegpt-answers-*.jsonl.gz | head -1)}
 CHAMP=${CHAMP:-data/smollm2-champ-answers-270.jsonl.gz}
-CHAMP_LIMIT=${CHAMP_LIMIT:-145}
+CHAMP_LIMIT=${CHAMP_LIMIT:-270}
 VALID=${VALID:-256}
 SEED=${SEED:-0}
 CANDIDATES=${CANDIDATES:-1,2,3,4,6,8,10,12,16}
@@ -91,7 +91,9 @@ if (( SAMPLED > 0 )); then
   done
 fi
 temperature=$( (( SAMPLED > 0 )) && echo --with-temperature || true)
+# --step-costs again: labels made earlier with another table are re-scored with this one
 "$BP" train-predictor "${datasets[@]}" --objective throughput --loss regret --features pooled --hidden 64 $temperature \
+    --step-costs "$STEP_COSTS" \
     --target "$("$PY" -c "from blockpilot.assets.smollm2 import smollm2_dir; print(smollm2_dir())")" \
     --drafter "$DRAFTER" --out "$OUT"
 echo "wrote $OUT (report beside it); the embedded engine dir rebuilds on next use"

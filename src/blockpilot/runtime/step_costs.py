@@ -31,17 +31,26 @@ DEFAULT_REPEATS = 7
 
 def median_seconds(fn, repeats: int) -> float:
     """Median wall seconds of `repeats` calls of `fn` after one untimed warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return interleaved_median_seconds({0: fn}, repeats)[0]
+
+
+def interleaved_median_seconds(fns: dict, repeats: int) -> dict:
+    """Median wall seconds of each of `fns` over `repeats` rounds that call every one in turn (after one
+    untimed warm-up call each), so that a machine that slows down for a while slows every point alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def time_backend(backend, sizes: Iterable[int], context: int, repeats: int) -> tuple[dict, dict, float | None]:
-    """Median ms of verify(K) and draft(K) on `backend` at a cache of `context` tokens.
+    """Median ms of verify(K) and draft(K) on `backend` at a cache of `context` tokens, all points timed
+    in interleaved rounds (`interleaved_median_seconds`).
 
     Args:
         backend: a `Backend` (with a drafter for the draft timings).
@@ -60,20 +69,29 @@ def time_backend(backend, sizes: Iterable[int], context: int, repeats: int) -> t
     device = getattr(backend, "device", "cpu")
     state = backend.new_state(1, context + 2 * max(sizes) + 2)
     prefill = backend.prefill(state, prompt.to(device))
-    last = torch.tensor([5], device=device)
-    verify_ms, draft_ms, one_row = {}, {}, None
-    if getattr(backend, "min_rows", 1) > 1:  # what the padding row of plain decoding costs
-        rows, backend.min_rows = backend.min_rows, 1
-        one_row = 1e3 * median_seconds(lambda: backend.verify(state, last[:, None], context), repeats)
-        backend.min_rows = rows
+    last, taps = torch.tensor([5], device=device), prefill.taps[:, -1:]
+    calls = {}
     for k in sizes:
         block = torch.randint(3, vocab, (1, k), generator=generator).to(device)
-        verify_ms[k] = 1e3 * median_seconds(lambda: backend.verify(state, block, context), repeats)
+        calls[("verify", k)] = lambda block=block: backend.verify(state, block, context)
         if k >= 2 and backend.drafter_config is not None:
-            taps = prefill.taps[:, -1:]
-            draft_ms[k] = 1e3 * median_seconds(
-                lambda: backend.draft(state, last, taps, context - 1, context, k), repeats)
-    return verify_ms, draft_ms, one_row
+            calls[("draft", k)] = lambda k=k: backend.draft(state, last, taps, context - 1, context, k)
+    rows = getattr(backend, "min_rows", 1)
+    if rows > 1:  # what the padding row of plain decoding costs
+
+        def one_row_step():
+            backend.min_rows = 1
+            try:
+                backend.verify(state, last[:, None], context)
+            finally:
+                backend.min_rows = rows
+
+        calls[("one_row", 1)] = one_row_step
+    seconds = interleaved_median_seconds(calls, repeats)
+    ms = {key: 1e3 * value for key, value in seconds.items()}
+    verify_ms = {k: v for (kind, k), v in ms.items() if kind == "verify"}
+    draft_ms = {k: v for (kind, k), v in ms.items() if kind == "draft"}
+    return verify_ms, draft_ms, ms.get(("one_row", 1))
 
 
 def backend_precision(backend) -> tuple[str, str]:
@@ -100,22 +118,26 @@ def machine_class(device: str = "cpu") -> str:
     return f"{model or platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
-def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int) -> dict[int, float]:
-    """Wall ms per decode step of `runner.generate` at each block size (prefill and predictor excluded).
+def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int, rounds: int = 3) -> dict[int, float]:
+    """Wall ms per decode step of `runner.generate` at each block size (prefill and predictor excluded):
+    the median over `rounds` rounds that decode at every size in turn.
 
     A random prompt of `context` tokens is decoded for `new_tokens` tokens (after a short warm-up
     generation) at each size; acceptance barely matters for the cost of a step, so random text serves.
     """
     vocab = runner.backend.target_config.vocab_size
     prompt = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(1))
-    loop_ms = {}
-    for k in sorted(set(sizes)):
+    sizes = sorted(set(sizes))
+    per_step: dict[int, list[float]] = {k: [] for k in sizes}
+    for k in sizes:
         runner.generate([prompt], max_new_tokens=4, end_id=-1, block_size=k, return_dict=True)
-        start = time.perf_counter()
-        out = runner.generate([prompt], max_new_tokens=new_tokens, end_id=-1, block_size=k, return_dict=True)
-        wall = time.perf_counter() - start - out["timings"][0]["prefill_s"] - out["timings"][0]["predictor_s"]
-        loop_ms[k] = round(1e3 * wall / max(1, len(out["accept_lengths"][0])), 4)
-    return loop_ms
+    for _ in range(rounds):
+        for k in sizes:
+            start = time.perf_counter()
+            out = runner.generate([prompt], max_new_tokens=new_tokens, end_id=-1, block_size=k, return_dict=True)
+            wall = time.perf_counter() - start - out["timings"][0]["prefill_s"] - out["timings"][0]["predictor_s"]
+            per_step[k].append(wall / max(1, len(out["accept_lengths"][0])))
+    return {k: round(1e3 * statistics.median(v), 4) for k, v in per_step.items()}
 
 
 def measure_step_costs(backend, block_sizes: Iterable[int], *, context: int = DEFAULT_CONTEXT,
