@@ -5,7 +5,8 @@ One target pass over prompt + answer gives, at every position, the outputs of th
 are written in bf16 into one raw file (`taps.bf16`, `(total tokens, taps * H)`) batch by batch and
 read back through a memory map, so a corpus larger than memory trains (3M tokens of SmolLM2 with 5
 taps are 17 GB) and an interrupted extraction resumes at its last finished batch. `taps.json` says
-what the file holds (the key of the answers it came from, the sequences, which batches are done).
+what the file holds (the key of the answers it came from, the sequences), written once; `taps.done.json`
+which batches are done.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from blockpilot.training.data import Sequence
 
 TAPS_FILE = "taps.bf16"
 INDEX_FILE = "taps.json"
+PROGRESS_FILE = "taps.done.json"
 
 
 @torch.inference_mode()
@@ -47,47 +49,56 @@ def cached_taps(path: Path, target: Decoder, sequences: list[Sequence], tap_laye
     width = len(tap_layers) * target.config.hidden_size
     tokens_per_batch = _tokens_per_batch(target, tokens_per_batch)
     wanted = {"key": key, "width": width, "tokens_per_batch": tokens_per_batch, "lengths": lengths}
-    index = _read_index(path)
+    index = _read_json(path / INDEX_FILE)
     data = path / TAPS_FILE
     if index is None or {k: index.get(k) for k in wanted} != wanted or not data.is_file():
         data.unlink(missing_ok=True)
-        index = {**wanted, "done": [], "complete": False,
-                 "sequences": [{"ids": list(s.ids), "answer_start": s.answer_start, "source": s.source}
-                               for s in sequences]}
+        index = {**wanted, "sequences": [{"ids": list(s.ids), "answer_start": s.answer_start, "source": s.source}
+                                         for s in sequences]}
         with open(data, "wb") as f:  # sparse until written
             f.truncate(sum(lengths) * width * 2)
+        _write_progress(path, [], False)
         write_text_atomic(path / INDEX_FILE, json.dumps(index))
-    if not index["complete"]:
+    done, complete = _progress(path, index)
+    if not complete:
         store = np.memmap(data, dtype=np.uint16, mode="r+", shape=(sum(lengths), width))
         offsets = np.concatenate([[0], np.cumsum(lengths)])
-        done = set(index["done"])
         for number, group, taps in _tap_batches(target, sequences, tap_layers, tokens_per_batch, autocast, done):
             for row, i in enumerate(group):
                 store[offsets[i]: offsets[i + 1]] = taps[row, : lengths[i]].cpu().view(torch.int16).numpy().view(np.uint16)
             store.flush()
             done.add(number)
-            index["done"] = sorted(done)
-            write_text_atomic(path / INDEX_FILE, json.dumps(index))
-        index["complete"] = True
-        write_text_atomic(path / INDEX_FILE, json.dumps(index))
+            _write_progress(path, sorted(done), False)
+        _write_progress(path, sorted(done), True)
         del store
     return _views(data, lengths, width)
 
 
 def load_cached_taps(path: Path, key: str) -> tuple[list[Sequence], list[torch.Tensor]] | None:
     """The sequences and memory-mapped taps of a complete cache made for `key`, else None."""
-    index = _read_index(path)
-    if index is None or index.get("key") != key or not index.get("complete") or not (path / TAPS_FILE).is_file():
+    index = _read_json(path / INDEX_FILE)
+    if index is None or index.get("key") != key or not _progress(path, index)[1] or not (path / TAPS_FILE).is_file():
         return None
     sequences = [Sequence(tuple(s["ids"]), s["answer_start"], s.get("source", "")) for s in index["sequences"]]
     return sequences, _views(path / TAPS_FILE, index["lengths"], index["width"])
 
 
-def _read_index(path: Path) -> dict | None:
+def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads((path / INDEX_FILE).read_text())
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def _progress(path: Path, index: dict) -> tuple[set[int], bool]:
+    """(finished batch numbers, complete) of the cache in `path` (caches written before the progress file
+    had its own keep them in the index)."""
+    progress = _read_json(path / PROGRESS_FILE) or index
+    return set(progress.get("done", [])), bool(progress.get("complete", False))
+
+
+def _write_progress(path: Path, done: list[int], complete: bool) -> None:
+    write_text_atomic(path / PROGRESS_FILE, json.dumps({"done": done, "complete": complete}))
 
 
 def _views(data: Path, lengths: list[int], width: int) -> list[torch.Tensor]:
