@@ -4,7 +4,7 @@
 fastest lossless CPU path, the onnxruntime backend over an fp32 engine directory. That directory is
 built on first use into `cache_dir()/engines/smollm2-<key>` next to the converted model, where
 `key` is a digest of everything the build reads: the converted target's source marker, the shipped
-drafter's and predictor's files, the build settings and `EXPORT_VERSION`. Any change to one of them
+drafter's files (its weights and configs; not its model card) and the predictor's, the build settings and `EXPORT_VERSION`. Any change to one of them
 gives another key, so a new package version with a new drafter, predictor or export builds a new
 directory; stale ones are removed after the new one is in place. The build itself is atomic
 (`build_engine_dir` writes a sibling directory and renames it); opening the directory checks its
@@ -53,12 +53,14 @@ def embedded_engine_dir(log=lambda message: print(message, file=sys.stderr, flus
     from blockpilot.assets.smollm2 import SOURCE_MARKER, smollm2_dir
 
     target, drafter, predictor = smollm2_dir(), default_drafter_dir(), default_predictor_path()
-    inputs = [target / SOURCE_MARKER, *sorted(drafter.iterdir())] + ([predictor] if predictor else [])
+    drafter_files = [p for p in sorted(drafter.iterdir()) if p.suffix != ".md"]  # a model card's edit builds nothing
+    inputs = [target / SOURCE_MARKER, *drafter_files] + ([predictor] if predictor else [])
     settings = {"export": EXPORT_VERSION, "block_sizes": BLOCK_SIZES, "max_seq_len": MAX_SEQ_LEN, "dtype": DTYPE}
     root = cache_dir() / "engines"
     out = root / f"{PREFIX}{_digest([p for p in inputs if p.is_file()], settings)}"
     if _usable(out):
         return out
+    discard(out)  # a damaged or incomplete copy in its place (a build never leaves one; a hand or a disk might)
     from blockpilot.builder.engine_dir import BuildSpec, build_engine_dir
 
     log(f"building the embedded default's engine directory once, into {out} (about 2 minutes on 2 cores) ...")
