@@ -81,6 +81,21 @@ def test_writing_the_4bit_drafter_prints_nothing(tmp_path_factory, tmp_path):
     assert done.stderr == "" and done.stdout == "" and (tmp_path / "q.onnx").is_file()
 
 
+def test_4bit_drafter_copy_of_a_graph_with_external_weights_keeps_them_beside_it(tmp_path_factory, tmp_path):
+    from blockpilot.builder.engine_dir import BuildSpec, build_engine_dir
+
+    from builder_fixtures import TINY_MAX_SEQ_LEN, tiny_models
+
+    target, drafter = tiny_models(tmp_path_factory, "llama")
+    out = tmp_path / "engine"
+    build_engine_dir(BuildSpec(target, drafter, out, (3,), TINY_MAX_SEQ_LEN, external_data_bytes=0))
+    runner = Runner.from_dir(out, backend="onnxruntime")
+    hashed = runner.backend.manifest.files
+    assert "drafter.int4.onnx" in hashed and [n for n in hashed if n.startswith("drafter.int4.onnx.")]  # its .data
+    assert _generate(runner, PROMPTS[2], block_size=3)["output_ids"].tolist() == \
+        _generate(runner, PROMPTS[2], block_size=1)["output_ids"].tolist()
+
+
 def test_build_without_the_4bit_drafter_writes_none_and_onnxruntime_drafts_with_drafter_onnx(tmp_path_factory):
     engine = tiny_engine_dir(tmp_path_factory, "qwen3", 18)  # built with int4_drafter=False
     runner = Runner.from_dir(engine, backend="onnxruntime")
