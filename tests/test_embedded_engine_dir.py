@@ -30,11 +30,13 @@ def assets(tmp_path_factory, tmp_path, monkeypatch):
     monkeypatch.setattr(embedded, "MAX_SEQ_LEN", 40)
     import blockpilot.builder.engine_dir as engine_dir
 
-    builds = []
+    builds, real_build = [], engine_dir.build_engine_dir
 
-    real_build = engine_dir.build_engine_dir
-    monkeypatch.setattr(engine_dir, "build_engine_dir", lambda spec, log: (builds.append(spec.out_dir),
-                                                                          real_build(spec, log=log))[1])
+    def counted_build(spec, log):
+        builds.append(spec.out_dir)
+        return real_build(spec, log=log)
+
+    monkeypatch.setattr(engine_dir, "build_engine_dir", counted_build)
     return drafter, builds
 
 

@@ -4,11 +4,12 @@
 fastest lossless CPU path, the onnxruntime backend over an fp32 engine directory. That directory is
 built on first use into `cache_dir()/engines/smollm2-<key>` next to the converted model, where
 `key` is a digest of everything the build reads: the converted target's source marker, the shipped
-drafter's files (its weights and configs; not its model card) and the predictor's, the build settings and `EXPORT_VERSION`. Any change to one of them
-gives another key, so a new package version with a new drafter, predictor or export builds a new
-directory; stale ones are removed after the new one is in place. The build itself is atomic
-(`build_engine_dir` writes a sibling directory and renames it); opening the directory checks its
-manifest and every file's SHA-256, and a cached directory that fails is discarded and rebuilt.
+drafter's files (its weights and configs; not its model card) and the predictor's, the build settings
+and `EXPORT_VERSION`. Any change to one of them gives another key, so a new package version with a
+new drafter, predictor or export builds a new directory; stale ones are removed after the new one is
+in place. The build itself is atomic (`build_engine_dir` writes a sibling directory and renames it);
+opening the directory checks its manifest and every file's SHA-256, and a cached directory that fails
+is discarded and rebuilt.
 """
 
 from __future__ import annotations

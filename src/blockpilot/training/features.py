@@ -6,7 +6,7 @@ are written in bf16 into one raw file (`taps.bf16`, `(total tokens, taps * H)`) 
 read back through a memory map, so a corpus larger than memory trains (3M tokens of SmolLM2 with 5
 taps are 17 GB) and an interrupted extraction resumes at its last finished batch. `taps.json` says
 what the file holds (the key of the answers it came from, the sequences), written once; `taps.done.json`
-which batches are done.
+which batches are done (the cache is complete when all of them are).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def cached_taps(path: Path, target: Decoder, sequences: list[Sequence], tap_laye
                                          for s in sequences]}
         with open(data, "wb") as f:  # sparse until written
             f.truncate(sum(lengths) * width * 2)
-        _write_progress(path, [], False)
+        _write_progress(path, [])
         write_text_atomic(path / INDEX_FILE, json.dumps(index))
-    done, complete = _progress(path, index)
-    if not complete:
+    done = _done_batches(path, index)
+    if not _complete(index, done):
         store = np.memmap(data, dtype=np.uint16, mode="r+", shape=(sum(lengths), width))
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         for number, group, taps in _tap_batches(target, sequences, tap_layers, tokens_per_batch, autocast, done):
@@ -68,8 +68,7 @@ def cached_taps(path: Path, target: Decoder, sequences: list[Sequence], tap_laye
                 store[offsets[i]: offsets[i + 1]] = taps[row, : lengths[i]].cpu().view(torch.int16).numpy().view(np.uint16)
             store.flush()
             done.add(number)
-            _write_progress(path, sorted(done), False)
-        _write_progress(path, sorted(done), True)
+            _write_progress(path, sorted(done))
         del store
     return _views(data, lengths, width)
 
@@ -77,7 +76,8 @@ def cached_taps(path: Path, target: Decoder, sequences: list[Sequence], tap_laye
 def load_cached_taps(path: Path, key: str) -> tuple[list[Sequence], list[torch.Tensor]] | None:
     """The sequences and memory-mapped taps of a complete cache made for `key`, else None."""
     index = _read_json(path / INDEX_FILE)
-    if index is None or index.get("key") != key or not _progress(path, index)[1] or not (path / TAPS_FILE).is_file():
+    if (index is None or index.get("key") != key or not (path / TAPS_FILE).is_file()
+            or not _complete(index, _done_batches(path, index))):
         return None
     sequences = [Sequence(tuple(s["ids"]), s["answer_start"], s.get("source", "")) for s in index["sequences"]]
     return sequences, _views(path / TAPS_FILE, index["lengths"], index["width"])
@@ -90,15 +90,19 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _progress(path: Path, index: dict) -> tuple[set[int], bool]:
-    """(finished batch numbers, complete) of the cache in `path` (caches written before the progress file
-    had its own keep them in the index)."""
-    progress = _read_json(path / PROGRESS_FILE) or index
-    return set(progress.get("done", [])), bool(progress.get("complete", False))
+def _done_batches(path: Path, index: dict) -> set[int]:
+    """The finished batch numbers of the cache in `path` (caches written before the progress file had its
+    own keep them in the index)."""
+    return set((_read_json(path / PROGRESS_FILE) or index).get("done", []))
 
 
-def _write_progress(path: Path, done: list[int], complete: bool) -> None:
-    write_text_atomic(path / PROGRESS_FILE, json.dumps({"done": done, "complete": complete}))
+def _complete(index: dict, done: set[int]) -> bool:
+    """Whether every batch of the index's sequences is in `done`."""
+    return len(done) >= len(_length_groups(index["lengths"], index["tokens_per_batch"]))
+
+
+def _write_progress(path: Path, done: list[int]) -> None:
+    write_text_atomic(path / PROGRESS_FILE, json.dumps({"done": done}))
 
 
 def _views(data: Path, lengths: list[int], width: int) -> list[torch.Tensor]:

@@ -76,13 +76,13 @@ def _features(args, prompts, target, tokenizer, target_dir: Path, work_dir: Path
         "target": str(Path(target_dir).resolve()), "taps": list(tap_layers), "max_len": args.max_len,
         "rows": hashlib.sha256("".join(r["prompt"] + r["answer"] for r in rows).encode()).hexdigest(),
     }, sort_keys=True).encode()).hexdigest()[:16]
-    if torch.device(args.device).type != "cpu":  # on a GPU recomputing takes seconds; writing tens of GB does not
-        sequences = tokenize_rows(rows, tokenizer, args.max_len)
-        return sequences, extract_taps(target, sequences, tuple(tap_layers))
-    cached = load_cached_taps(work_dir / "features", key)
+    on_cpu = torch.device(args.device).type == "cpu"  # on a GPU recomputing takes seconds; writing tens of GB does not
+    cached = load_cached_taps(work_dir / "features", key) if on_cpu else None
     if cached is not None:
         return cached
     sequences = tokenize_rows(rows, tokenizer, args.max_len)
+    if not on_cpu:
+        return sequences, extract_taps(target, sequences, tuple(tap_layers))
     return sequences, cached_taps(work_dir / "features", target, sequences, tuple(tap_layers), key)
 
 
