@@ -20,6 +20,8 @@
 #   MAX_NEW [96]   LIMIT [all]   RUNS [runs/predictor]
 #   STEP_COSTS [the embedded engine dir]  engine dir or JSON whose step-cost table scores the labels
 #   SAMPLED [0]   prompts labelled by sampled decoding at T = 0.7 and 1 (slow: every candidate decoded)
+#   JOBS [1]   labelling processes at once (one core each; 2 halves the wall time on a 2-core machine)
+#   DRAFTER [the shipped drafter]  OUT [the shipped predictor]   to label and train for a candidate drafter
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -35,8 +37,9 @@ CANDIDATES=${CANDIDATES:-1,2,3,4,6,8,10,12,16}
 MAX_NEW=${MAX_NEW:-96}
 RUNS=${RUNS:-runs/predictor}
 SAMPLED=${SAMPLED:-0}
-DRAFTER=src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8
-OUT=src/blockpilot/assets/predictors/smollm2-135m-instruct-dflash-b8.onnx
+JOBS=${JOBS:-1}
+DRAFTER=${DRAFTER:-src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8}
+OUT=${OUT:-src/blockpilot/assets/predictors/smollm2-135m-instruct-dflash-b8.onnx}
 export OMP_NUM_THREADS=1  # one torch thread: the labelling clock is this process's compute
 mkdir -p "$RUNS"
 
@@ -56,12 +59,8 @@ EOF
 fi
 
 "$PY" scripts/heldout_split.py --answers "$ANSWERS" --valid "$VALID" --seed "$SEED" --out "$RUNS/heldout.jsonl"
-"$BP" label --drafter "$DRAFTER" --replay-answers "$RUNS/heldout.jsonl" --block-sizes "$CANDIDATES" \
-    --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${LIMIT:+--limit "$LIMIT"} --out "$RUNS/labels-t0" \
-    --clock cpu --calibration-prompts 1 --calibration-reps 2 \
-    --note "held-out split of $ANSWERS (--valid $VALID --seed $SEED), T = 0 exact replay"
-# Two more sets the drafter never trained on, closer to real requests than its own split: every 12th
-# stdlib-code task from the 6th on (298) and the first 300 ShareGPT answers.
+# Three more sets the drafter never trained on, closer to real requests than its own split: every 12th
+# stdlib-code task from the 6th on (298), the first 300 ShareGPT answers, the CHAMP math problems.
 "$PY" - "$STDLIB" "$SHAREGPT" "$CHAMP" "$RUNS" <<'EOF'
 import gzip, json, sys
 std, sharegpt, champ, runs = sys.argv[1:]
@@ -73,13 +72,28 @@ with open(f"{runs}/sharegpt-new-300.jsonl", "w") as out:
 with open(f"{runs}/champ.jsonl", "w") as out:
     out.writelines(json.dumps(r) + "\n" for r in rows(champ))
 EOF
-for set in stdlib sharegpt champ; do
-  case $set in stdlib) file="$RUNS/stdlib-300.jsonl" limit=${LIMIT:-} ;; sharegpt) file="$RUNS/sharegpt-new-300.jsonl" limit=${LIMIT:-} ;;
-               champ) file="$RUNS/champ.jsonl" limit=${LIMIT:-$CHAMP_LIMIT} ;; esac
+label_set() {  # T = 0 exact replay labels of one prompt set (the dataset resumes if rerun)
+  local file limit out note
+  case $1 in
+    heldout) file="$RUNS/heldout.jsonl" limit=${LIMIT:-} out="$RUNS/labels-t0"
+             note="held-out split of $ANSWERS (--valid $VALID --seed $SEED), T = 0 exact replay" ;;
+    stdlib) file="$RUNS/stdlib-300.jsonl" limit=${LIMIT:-} out="$RUNS/labels-stdlib-t0" ;;
+    sharegpt) file="$RUNS/sharegpt-new-300.jsonl" limit=${LIMIT:-} out="$RUNS/labels-sharegpt-t0" ;;
+    champ) file="$RUNS/champ.jsonl" limit=${LIMIT:-$CHAMP_LIMIT} out="$RUNS/labels-champ-t0" ;;
+  esac
+  note=${note:-"$file (not in the drafter's training data), T = 0 exact replay"}
   "$BP" label --drafter "$DRAFTER" --replay-answers "$file" --block-sizes "$CANDIDATES" \
-      --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${limit:+--limit "$limit"} --out "$RUNS/labels-$set-t0" \
-      --clock cpu --calibration-prompts 1 --calibration-reps 2 --note "$file (not in the drafter's training data), T = 0 exact replay"
-done
+      --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${limit:+--limit "$limit"} --out "$out" \
+      --clock cpu --calibration-prompts 1 --calibration-reps 2 \
+      --note "$note"
+}
+if (( JOBS > 1 )); then  # two lanes of about equal work
+  (label_set heldout; label_set sharegpt) & lane=$!
+  label_set stdlib; label_set champ
+  wait "$lane"
+else
+  for set in heldout stdlib sharegpt champ; do label_set "$set"; done
+fi
 datasets=(--dataset "$RUNS/labels-t0" --dataset "$RUNS/labels-stdlib-t0" --dataset "$RUNS/labels-sharegpt-t0"
           --dataset "$RUNS/labels-champ-t0")
 if (( SAMPLED > 0 )); then
