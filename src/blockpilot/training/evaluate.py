@@ -31,12 +31,10 @@ def sequence_taps(target: Decoder, ids: list[int], tap_layers) -> torch.Tensor:
 
 @dataclasses.dataclass
 class _Replay:
-    """Where one block size's replay stands: `ids[pos]` is committed, the drafter has context `[0, ctx_start)`."""
+    """Where one block size's replay stands: `ids[pos]` is committed and is the next block's first token."""
 
     size: int
     pos: int
-    cache: KVCache
-    ctx_start: int = 0
     steps: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -45,29 +43,43 @@ def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], 
                        block_sizes, taps: torch.Tensor, stop_at: int | None = None) -> list[list[int]]:
     """Tokens committed per step, for each block size, when greedily decoding `ids[prompt_len:]`.
 
-    The block sizes run in lockstep so that one `lm_head` call (most of a step's cost on a CPU) serves
-    them all. `stop_at`: stop after the step that commits `ids[stop_at]` (default: the last id), as the
-    runtime stops at its token budget or end id; every step sees its whole block when
+    The block sizes run in lockstep: each round is one drafter pass over the blocks of every size
+    still running (a block sees the context before its first position and itself, as in decoding)
+    and one `lm_head` call. Context K/V are position-wise, so they are computed once for the whole
+    sequence. `stop_at`: stop after the step that commits `ids[stop_at]` (default: the last id), as
+    the runtime stops at its token budget or end id; every step sees its whole block when
     `len(ids) >= stop_at + block_size - 1`. `taps`: `(1, >= stop_at, tH)` target taps of `ids`.
     """
     y = torch.tensor(ids)
     end = len(ids) - 1 if stop_at is None else min(stop_at, len(ids) - 1)
-    mask_embed = target.embed_tokens.weight[drafter.config.mask_token_id]
+    embed = target.embed_tokens.weight
     head = drafter.draft_head_weight(target.lm_head.weight)  # (N, H)
-    runs = [_Replay(size, prompt_len, KVCache.allocate(drafter.config.layers, 1, len(ids) + size, torch.float32))
-            for size in block_sizes]
+    runs = [_Replay(size, prompt_len) for size in block_sizes]
+    if end <= prompt_len:
+        return [r.steps for r in runs]
+    context = drafter.hidden_norm(drafter.fc(taps[:, :end].to(embed.dtype)))  # (1, S, H): positions < end
+    ctx_rope = drafter.rope(torch.arange(end), embed.dtype)
+    context_kv = [layer.context_kv(context, ctx_rope) for layer in drafter.layers]
     while active := [r for r in runs if r.pos < end]:
-        hidden = []
-        for r in active:
-            block = drafter.block_embeddings(target.embed_tokens(y[r.pos:r.pos + 1])[None], mask_embed, r.size)
-            hidden.append(drafter(block, torch.arange(r.pos, r.pos + r.size), taps[:, r.ctx_start:r.pos],
-                                  torch.arange(r.ctx_start, r.pos), r.cache, r.pos)[0, 1:])  # (size - 1, H)
-        drafts = greedy_draft_tokens(torch.cat(hidden), head, drafter.draft_vocab_ids).split([r.size - 1 for r in active])
+        sizes = torch.tensor([r.size for r in active])
+        starts = torch.tensor([r.pos for r in active])
+        x = torch.cat([drafter.block_embeddings(embed[y[r.pos]].reshape(1, 1, -1), embed[drafter.config.mask_token_id],
+                                                r.size) for r in active], dim=1)  # (1, T, H)
+        block_of = torch.repeat_interleave(torch.arange(len(active)), sizes)  # (T,) block of each query row
+        offsets = torch.arange(len(block_of)) - (sizes.cumsum(0) - sizes)[block_of]  # (T,) slot within its block
+        positions = starts[block_of] + offsets
+        mask = torch.cat((torch.arange(end)[None, :] < starts[block_of][:, None],  # context before the block
+                          block_of[:, None] == block_of[None, :]), dim=1)[None, None]  # (1, 1, T, S + T)
+        block_rope = drafter.rope(positions, embed.dtype)
+        for layer, (k_ctx, v_ctx) in zip(drafter.layers, context_kv):
+            x = layer(x, k_ctx, v_ctx, block_rope, mask)
+        hidden = drafter.norm(x)[0, offsets > 0]  # (sum(size - 1), H): the mask slots
+        drafts = greedy_draft_tokens(hidden, head, drafter.draft_vocab_ids).split((sizes - 1).tolist())
         for r, draft in zip(active, drafts):
             truth = y[r.pos + 1: r.pos + r.size]
             accepted = min(int((draft[:len(truth)] == truth).long().cumprod(0).sum()), len(ids) - 1 - r.pos)
             r.steps.append(accepted + 1)
-            r.ctx_start, r.pos = r.pos, r.pos + accepted + 1
+            r.pos += accepted + 1
     return [r.steps for r in runs]
 
 
