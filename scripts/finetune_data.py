@@ -1,0 +1,59 @@
+"""The training answers of the shipped drafter's CPU fine-tune, built from the answer files in `data/`.
+
+Every answer the project holds except the prompts that the block-size predictor is labelled on
+(`scripts/make_predictor.sh` writes those sets to `runs/predictor/`) and, of the templated arithmetic
+word problems, all but 600 (they replay at tau ~6 already and would otherwise be a quarter of the data);
+shuffled. Nothing from HumanEval or MT-Bench is in any of the files.
+
+    python scripts/finetune_data.py --out runs/finetune-answers.jsonl
+    blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
+        --answers runs/finetune-answers.jsonl --out runs/b8-ft --block-size 8 --time-budget 65 \\
+        --sequences-per-step 16 --anchors 32 --lr 3e-4 --valid 64 --eval-every 10 --checkpoint-every 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-3574.jsonl.gz",
+           "data/smollm2-sharegpt-answers-1259.jsonl.gz"]
+LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
+              "data/smollm2-champ-answers-270.jsonl.gz"]
+MATH_KEPT = 600
+KEYS = ("source", "prompt", "answer", "answer_ids", "finish")
+
+
+def read_rows(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    missing = [p for p in LABEL_SETS if not (ROOT / p).exists()]
+    if missing:
+        raise SystemExit(f"error: {missing[0]} is missing; run scripts/make_predictor.sh first (it writes the label sets)")
+    excluded = {row["prompt"] for path in LABEL_SETS for row in read_rows(ROOT / path)}
+    rows = [row for path in ANSWERS for row in read_rows(ROOT / path) if row["prompt"] not in excluded]
+    math = [row for row in rows if row.get("source") == "synthetic-math"]
+    random.Random(args.seed).shuffle(math)
+    kept = [row for row in rows if row.get("source") != "synthetic-math"] + math[:MATH_KEPT]
+    random.Random(args.seed + 1).shuffle(kept)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({k: row[k] for k in KEYS if k in row}) + "\n" for row in kept)
+    print(f"{len(kept)} answers ({len(kept) - min(len(math), MATH_KEPT)} others, {min(len(math), MATH_KEPT)} "
+          f"synthetic-math) -> {args.out}; {len(excluded)} label-set prompts left out")
+
+
+if __name__ == "__main__":
+    main()
