@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     missing = [p for p in LABEL_SETS if not (ROOT / p).exists()]
     if missing:
-        raise SystemExit(f"error: {missing[0]} is missing; run scripts/make_predictor.sh first (it writes the label sets)")
+        raise SystemExit(f"error: {missing[0]} is missing; run scripts/make_predictor.sh first (it writes the label sets before it labels)")
     excluded = {row["prompt"] for path in LABEL_SETS for row in read_rows(ROOT / path)}
     rows = [row for path in ANSWERS for row in read_rows(ROOT / path) if row["prompt"] not in excluded]
     math = [row for row in rows if row.get("source") == "synthetic-math"]
