@@ -53,6 +53,7 @@ def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], 
     y = torch.tensor(ids)
     end = len(ids) - 1 if stop_at is None else min(stop_at, len(ids) - 1)
     embed = target.embed_tokens.weight
+    mask_embed = embed[drafter.config.mask_token_id]
     head = drafter.draft_head_weight(target.lm_head.weight)  # (N, H)
     runs = [_Replay(size, prompt_len) for size in block_sizes]
     if end <= prompt_len:
@@ -63,8 +64,8 @@ def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], 
     while active := [r for r in runs if r.pos < end]:
         sizes = torch.tensor([r.size for r in active])
         starts = torch.tensor([r.pos for r in active])
-        x = torch.cat([drafter.block_embeddings(embed[y[r.pos]].reshape(1, 1, -1), embed[drafter.config.mask_token_id],
-                                                r.size) for r in active], dim=1)  # (1, T, H)
+        x = torch.cat([drafter.block_embeddings(embed[y[r.pos]].reshape(1, 1, -1), mask_embed, r.size)
+                       for r in active], dim=1)  # (1, T, H)
         block_of = torch.repeat_interleave(torch.arange(len(active)), sizes)  # (T,) block of each query row
         offsets = torch.arange(len(block_of)) - (sizes.cumsum(0) - sizes)[block_of]  # (T,) slot within its block
         positions = starts[block_of] + offsets
