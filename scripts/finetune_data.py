@@ -14,10 +14,11 @@ shuffled. Nothing from HumanEval or MT-Bench is in any of the files.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 from pathlib import Path
+
+from blockpilot.training.data import read_answer_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-3574.jsonl.gz",
@@ -28,12 +29,6 @@ MATH_KEPT = 600
 KEYS = ("source", "prompt", "answer", "answer_ids", "finish")
 
 
-def read_rows(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -41,9 +36,10 @@ def main() -> None:
     args = parser.parse_args()
     missing = [p for p in LABEL_SETS if not (ROOT / p).exists()]
     if missing:
-        raise SystemExit(f"error: {missing[0]} is missing; run scripts/make_predictor.sh first (it writes the label sets before it labels)")
-    excluded = {row["prompt"] for path in LABEL_SETS for row in read_rows(ROOT / path)}
-    rows = [row for path in ANSWERS for row in read_rows(ROOT / path) if row["prompt"] not in excluded]
+        raise SystemExit(f"error: {missing[0]} is missing; run scripts/make_predictor.sh first "
+                         "(it writes the label sets before it labels)")
+    excluded = {row["prompt"] for path in LABEL_SETS for row in read_answer_rows(ROOT / path)}
+    rows = [row for path in ANSWERS for row in read_answer_rows(ROOT / path) if row["prompt"] not in excluded]
     math = [row for row in rows if row.get("source") == "synthetic-math"]
     random.Random(args.seed).shuffle(math)
     kept = [row for row in rows if row.get("source") != "synthetic-math"] + math[:MATH_KEPT]
