@@ -1,5 +1,5 @@
 """`blockpilot answer`: the target's greedy answers, through onnxruntime's batched plain decoding or
-transformers `generate`, resumable."""
+transformers `generate`, resumable; sampled answers with their draw recorded."""
 
 from __future__ import annotations
 
@@ -75,6 +75,28 @@ def test_prompts_too_long_for_the_engine_cache_are_skipped(engine, tmp_path, cap
     assert "1 prompts skipped" in captured.out + captured.err
 
 
+def test_sampled_answers_record_their_draw_and_resume_to_the_same_draws(engine, target, tmp_path):
+    prompts = _prompts_file(tmp_path)
+    sampled = ["--temperature", "1.5", "--top-p", "0.9", "--max-new-tokens", "8"]
+    resumed, whole, other_seed = tmp_path / "resumed.jsonl", tmp_path / "whole.jsonl", tmp_path / "other.jsonl"
+    base = ["answer", "--engine-dir", str(engine), "--prompts", str(prompts), "--batch-size", "2"]
+    assert main(base + ["--out", str(resumed), "--limit", "3", "--seed", "5", *sampled]) == 0
+    assert main(base + ["--out", str(resumed), "--seed", "5", *sampled]) == 0  # resumes: 4 more, same seeds
+    assert main(base + ["--out", str(whole), "--seed", "5", "--batch-size", "5", *sampled]) == 0
+    assert main(base + ["--out", str(other_seed), "--seed", "6", *sampled]) == 0
+    by_prompt = lambda path: {r["prompt"]: r for r in _rows(path)}
+    resumed_rows, whole_rows, other_rows = by_prompt(resumed), by_prompt(whole), by_prompt(other_seed)
+    assert set(resumed_rows) == set(PROMPTS) and resumed_rows == whole_rows  # a draw depends on seed and prompt only
+    assert any(other_rows[p]["answer_ids"] != whole_rows[p]["answer_ids"] for p in PROMPTS)
+    row = whole_rows[PROMPTS[0]]
+    assert (row["temperature"], row["top_k"], row["top_p"]) == (1.5, 0, 0.9) and isinstance(row["seed"], int)
+    assert len({r["seed"] for r in whole_rows.values()}) == len(PROMPTS)
+    torch_out = tmp_path / "torch.jsonl"  # the torch backend draws with the runtime's sampler too
+    assert main(["answer", "--backend", "torch", "--target", str(target), "--prompts", str(prompts), "--out",
+                 str(torch_out), "--device", "cpu", "--seed", "5", *sampled]) == 0
+    assert {r["temperature"] for r in _rows(torch_out)} == {1.5} and len(_rows(torch_out)) == len(PROMPTS)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--backend", "onnxruntime", "--target", "TARGET"], "needs --engine-dir"),
     (["--backend", "torch", "--engine-dir", "ENGINE"], "--engine-dir is for --backend onnxruntime"),
@@ -82,6 +104,8 @@ def test_prompts_too_long_for_the_engine_cache_are_skipped(engine, tmp_path, cap
     (["--engine-dir", "NOWHERE"], "NOWHERE"),
     (["--engine-dir", "ENGINE", "--threads", "0"], "--threads must be positive"),
     (["--backend", "tensorrt"], "drop --backend tensorrt"),
+    (["--engine-dir", "ENGINE", "--temperature", "-1"], "need temperature >= 0"),
+    (["--engine-dir", "ENGINE", "--temperature", "1", "--top-p", "0"], "fix --temperature, --top-k or --top-p"),
 ])
 def test_bad_answer_options_end_in_one_line_and_exit_2(engine, target, tmp_path, capsys, extra, message):
     prompts = _prompts_file(tmp_path)

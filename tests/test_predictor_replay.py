@@ -1,4 +1,5 @@
-"""T = 0 replay labelling: the same labels as decoding every candidate, calibrated step times, bad input."""
+"""Replay labelling: at T = 0 the same labels as decoding every candidate; at T > 0, on drawn answers, the
+acceptance of speculative sampling in distribution; calibrated step times, bad input."""
 
 import argparse
 import json
@@ -114,7 +115,13 @@ def test_replay_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
         assert len(err.splitlines()) == 1 and message in err, err
 
     fails(["--replay-answers", str(answers), "--temperature", "1", "--out", str(tmp_path / "a")],
-          "exact only at --temperature 0")
+          "answer greedy, labels at temperature 1, top-k 0, top-p 1: replay is exact only on answers made at")
+    drawn = _write_jsonl(tmp_path / "drawn.jsonl", [{"prompt": PROMPTS[0], "answer_ids": [5, 6], "temperature": 0.7,
+                                                    "top_k": 0, "top_p": 1.0, "seed": 3}])
+    fails(["--replay-answers", str(drawn), "--out", str(tmp_path / "a2")], "drawn.jsonl:1: answer temperature 0.7")
+    fails(["--replay-answers", str(drawn), "--temperature", "0.7", "--top-p", "0.9", "--out", str(tmp_path / "a3")],
+          "labels at temperature 0.7, top-k 0, top-p 0.9")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "a2").exists()
     fails(["--replay-answers", str(answers), "--prompts", str(answers), "--out", str(tmp_path / "b")],
           "argument --prompts: not allowed with argument --replay-answers")
     fails(["--out", str(tmp_path / "c")], "one of the arguments --prompts --replay-answers is required")
@@ -168,3 +175,40 @@ def test_throughput_labels_use_the_given_step_cost_table_and_the_predictor_recor
     info = OnnxBlockSizePolicy(tmp_path / "p.onnx").info
     assert (info.cost_backend, info.cost_dtype, info.cost_machine) == ("onnxruntime", "fp32", "test machine x2")
     assert info.candidates == (1, 4)
+
+
+def test_sampled_replay_accepts_as_speculative_sampling_does(models, tmp_path):
+    """At T > 0, replaying answers drawn by plain sampling gives the number of verify steps that
+    speculative sampling takes, in distribution (mean within 4 standard errors, over 160 draws each),
+    and differs from the greedy replay (the check can tell the two apart)."""
+    from blockpilot.text import chat_prompt_ids, load_tokenizer
+
+    _, target, drafter, _ = models
+    temperature, draws, block = 0.5, 160, 4
+    ids = torch.tensor(chat_prompt_ids(load_tokenizer(target), PROMPTS[0]))
+    runner = Runner.from_dir(target, drafter_dir=drafter)
+    common = dict(max_new_tokens=MAX_NEW, temperature=temperature, return_dict=True)  # the runner's end id
+    decoded = runner.generate([ids] * draws, block_size=block, random_seed=0, **common)
+    decoded_steps = torch.tensor([len(steps) for steps in decoded["accept_lengths"]], dtype=torch.float64)
+    plain = runner.generate([ids] * draws, block_size=1, random_seed=10_000, **common)
+    answers = [plain["output_ids"][i, 0, len(ids):int(plain["sequence_lengths"][i, 0])].tolist() for i in range(draws)]
+    rows = [{"id": f"d{i}", "prompt": PROMPTS[0], "answer_ids": a, "finish": "length", "temperature": temperature,
+             "top_k": 0, "top_p": 1.0, "seed": 10_000 + i} for i, a in enumerate(answers)]
+    assert len({tuple(a) for a in answers}) > draws // 2  # real draws, not one answer repeated
+    job = dict(target=target, drafter=drafter, max_new_tokens=MAX_NEW, progress=False, clock="cpu",
+               candidates=(1, block), calibration_prompts=1, calibration_reps=1)
+    run_label_job(LabelJob(prompts=None, replay_answers=_write_jsonl(tmp_path / "drawn.jsonl", rows),
+                           out=tmp_path / "sampled", temperature=temperature, **job))
+    replayed = load_label_dataset(tmp_path / "sampled")
+    assert replayed.meta["temperature"] == temperature and len(replayed) == draws
+    replayed_steps = replayed.rows["steps"][:, 1].double()
+    assert (replayed.rows["new_tokens"][:, 1] < MAX_NEW).any() and (replayed.rows["new_tokens"][:, 1] == MAX_NEW).any()
+    error = (decoded_steps.var() / draws + replayed_steps.var() / draws).sqrt()
+    assert 1.2 < MAX_NEW / decoded_steps.mean() < block - 0.5  # drafts are accepted, and not always
+    assert abs(decoded_steps.mean() - replayed_steps.mean()) < 4 * error
+    greedy = _greedy(target, drafter, PROMPTS[0])
+    greedy_rows = [{"id": "g", "prompt": PROMPTS[0], "answer_ids": greedy, "finish": "length"}]
+    run_label_job(LabelJob(prompts=None, replay_answers=_write_jsonl(tmp_path / "greedy.jsonl", greedy_rows),
+                           out=tmp_path / "greedy", **job))
+    greedy_steps = float(load_label_dataset(tmp_path / "greedy").rows["steps"][0, 1])
+    assert abs(greedy_steps - replayed_steps.mean()) > 4 * error

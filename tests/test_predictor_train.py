@@ -196,3 +196,19 @@ def test_a_throughput_predictor_carries_its_step_costs_and_revises_blocks_with_t
     tau_policy = OnnxBlockSizePolicy(tmp_path / "t.onnx")
     tau_policy.revise_min_steps = 4
     assert tau_policy.step_costs is None and tau_policy.revise(10, [2] * 6, 6, lambda k: True) == 10
+
+
+def test_rows_of_one_prompt_at_several_temperatures_fall_in_the_same_split():
+    from blockpilot.predictor.train import prompt_groups, split_indices
+
+    features = torch.randn(40, 6)
+    stacked = torch.cat((features, features[:25], features[10:30]))  # T = 0 rows, then two sampled datasets
+    groups = prompt_groups(stacked)
+    assert groups[:40].tolist() == list(range(40)) and torch.equal(groups[40:65], groups[:25])
+    train, val, test = split_indices(len(stacked), 0.2, 0.2, 3, groups)
+    assert sorted(torch.cat((train, val, test)).tolist()) == list(range(len(stacked)))
+    sets = [set(groups[rows].tolist()) for rows in (train, val, test)]
+    assert not (sets[0] & sets[1]) and not (sets[0] & sets[2]) and not (sets[1] & sets[2])
+    assert (len(sets[1]), len(sets[2])) == (8, 8)  # fractions count prompts, not rows
+    ungrouped = split_indices(40, 0.2, 0.2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(split_indices(40, 0.2, 0.2, 3, prompt_groups(features)), ungrouped))

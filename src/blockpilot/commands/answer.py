@@ -1,4 +1,5 @@
-"""`blockpilot answer`: the target's own greedy answers to training prompts (drafter training data)."""
+"""`blockpilot answer`: the target's own answers to training prompts (drafter training data; sampled
+answers are what `label --replay-answers` replays sampled decoding on)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from blockpilot.commands.common import BACKENDS, add_device_arg
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "answer",
-        help="answer training prompts with the target (greedy, batched) into a JSONL file for train-drafter",
+        help="answer training prompts with the target (greedy or sampled, batched) into a JSONL file",
         description="Self-distillation data: the target answers each prompt greedily in fp32, batched: on the CPU through "
         "onnxruntime plain decoding with continuous batching (an engine directory), else transformers generate. "
         "Rows {source, prompt, answer, answer_ids, finish} are appended to --out; prompts already answered "
-        "there are skipped, so rerunning resumes. Feed the file to `train-drafter --answers`.",
+        "there are skipped, so rerunning resumes. Feed the file to `train-drafter --answers`, or to `label "
+        "--replay-answers`. With --temperature above 0 every answer is one draw from the target's distribution "
+        "(its seed derived from --seed and the prompt; the row records temperature, top_k, top_p and seed): "
+        "replaying speculative decoding on such answers labels block sizes at that temperature exactly.",
     )
     p.add_argument("--target", type=Path, help="target model dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", required=True,
@@ -33,6 +37,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--engine-dir", type=Path,
                    help="engine directory of --target (from blockpilot build) for --backend onnxruntime")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (each prompt's is derived from it and the prompt)")
     add_device_arg(p)
     p.set_defaults(run=run)
 
@@ -41,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from blockpilot.assets.prompts import load_train_prompts
     from blockpilot.devices import resolve_device
     from blockpilot.errors import UserError
+    from blockpilot.runtime.sampling import SamplingParams
     from blockpilot.training.data import regenerate_answers
 
     for name in ("limit", "max_new_tokens", "batch_size", "time_budget", "threads"):
@@ -53,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("answer runs on onnxruntime (the CPU, batched) or torch (any device); drop --backend tensorrt")
     if args.backend == "onnxruntime" and args.device not in ("auto", "cpu"):
         raise UserError(f"--backend onnxruntime runs on the CPU; drop --device {args.device} or use --backend torch")
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:
+        raise UserError(f"{exc}; fix --temperature, --top-k or --top-p") from None
     device = resolve_device(args.device)
     prompts = load_train_prompts(args.prompts)[: args.limit]
     if not args.out.parent.is_dir():
@@ -61,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if backend is None:
         backend = "onnxruntime" if device == "cpu" and (args.target is None or args.engine_dir) else "torch"
     if backend == "onnxruntime":
-        _answer_onnxruntime(args, prompts)
+        _answer_with_runner(args, prompts, sampling, _onnxruntime_runner(args))
         print(f"answers in {args.out}")
         return 0
     if args.engine_dir is not None:
@@ -70,6 +83,12 @@ def run(args: argparse.Namespace) -> int:
         from blockpilot.assets.smollm2 import smollm2_dir
 
         args.target = smollm2_dir()
+    if not sampling.greedy:  # sampled: the runtime's own sampler, plain decoding on torch
+        from blockpilot.runtime.runner import Runner
+
+        _answer_with_runner(args, prompts, sampling, Runner.from_dir(args.target, device=device))
+        print(f"answers in {args.out}")
+        return 0
     regenerate_answers(args.target, [p.text for p in prompts], max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, out_path=args.out, sources=[p.category for p in prompts],
                        device=device, time_budget_s=args.time_budget * 60 if args.time_budget else None)
@@ -77,12 +96,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _answer_onnxruntime(args: argparse.Namespace, prompts) -> None:
-    from transformers import AutoTokenizer
-
+def _onnxruntime_runner(args: argparse.Namespace):
     from blockpilot.errors import UserError
     from blockpilot.runtime.runner import Runner
-    from blockpilot.training.data import answer_with_runner
 
     engine_dir = args.engine_dir
     if engine_dir is None:
@@ -92,8 +108,17 @@ def _answer_onnxruntime(args: argparse.Namespace, prompts) -> None:
         from blockpilot.builder.embedded import embedded_engine_dir
 
         engine_dir = embedded_engine_dir()
-    runner = Runner.from_engine_dir(engine_dir, backend="onnxruntime", threads=args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(engine_dir)
+    args.engine_dir = engine_dir
+    return Runner.from_engine_dir(engine_dir, backend="onnxruntime", threads=args.threads)
+
+
+def _answer_with_runner(args: argparse.Namespace, prompts, sampling, runner) -> None:
+    from transformers import AutoTokenizer
+
+    from blockpilot.training.data import answer_with_runner
+
+    tokenizer = AutoTokenizer.from_pretrained(args.engine_dir or args.target)
     answer_with_runner(runner, tokenizer, [p.text for p in prompts], max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, out_path=args.out, sources=[p.category for p in prompts],
-                       time_budget_s=args.time_budget * 60 if args.time_budget else None)
+                       time_budget_s=args.time_budget * 60 if args.time_budget else None, sampling=sampling,
+                       seed=args.seed)

@@ -24,8 +24,9 @@ def add_parser(subparsers) -> None:
     source.add_argument("--prompts", type=Path, help="JSONL file, one {\"prompt\": ...} a line: decode every "
                         "prompt at every candidate block size")
     source.add_argument("--replay-answers", type=Path, metavar="FILE",
-                        help="instead of --prompts, at --temperature 0: a JSONL file of prompts with the target's "
-                        "greedy answers ({\"prompt\", \"answer_ids\" or \"answer\", \"finish\"}); tau is "
+                        help="instead of --prompts: a JSONL file of prompts with the target's answers ({\"prompt\", "
+                        "\"answer_ids\" or \"answer\", \"finish\"}), greedy at --temperature 0, else drawn at "
+                        "the same --temperature/--top-k/--top-p (`blockpilot answer --temperature T`); tau is "
                         "replayed exactly with drafter passes only, step times come from a short calibration")
     p.add_argument("--calibration-prompts", type=int, default=4,
                    help="replay: time draft + verify on this many prompts")

@@ -2,9 +2,10 @@
 
 Prompts come from a JSONL file (`blockpilot.assets.prompts.load_jsonl_prompts`) and are tokenized
 with the target's tokenizer and its chat template when it has one. The dataset layout and the
-labelling itself are in `blockpilot.predictor.labels`. With `replay_answers` (T = 0 only) the
-prompts and their greedy answers come from one answers file and are labelled by exact replay with
-calibrated step times (`blockpilot.predictor.replay`) instead of decoding every candidate.
+labelling itself are in `blockpilot.predictor.labels`. With `replay_answers` the prompts and the
+target's answers (greedy at T = 0, drawn at the job's sampling otherwise) come from one answers file
+and are labelled by exact replay with calibrated step times (`blockpilot.predictor.replay`) instead
+of decoding every candidate.
 
 The throughput labels use a step-cost table (`blockpilot.builder.manifest.StepCosts`) kept in the
 dataset's meta: the one in an engine directory's manifest or a JSON file (`step_costs`), measured
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 from blockpilot.errors import UserError
+from blockpilot.runtime.sampling import SamplingParams
 from blockpilot.text import load_tokenizer
 from blockpilot.predictor.labels import LABEL_FORMAT, LABEL_VERSION, LabelSettings, label_prompts, prepare_dataset_dir
 
@@ -44,7 +46,7 @@ class LabelJob:
     chat_template: bool = True
     clock: str = "wall"  # "wall": time.perf_counter; "cpu": time.process_time (robust to other processes)
     progress: bool = True
-    replay_answers: Path | None = None  # answers JSONL: label by T = 0 replay (see blockpilot.predictor.replay)
+    replay_answers: Path | None = None  # answers JSONL: label by replay (see blockpilot.predictor.replay)
     calibration_prompts: int = 4  # replay: prompts and timed rounds of the step-time calibration
     calibration_reps: int = 5
     note: str = ""  # free text kept in meta.json (e.g. where the prompts come from)
@@ -64,15 +66,15 @@ def run_label_job(job: LabelJob) -> dict:
 
     Raises:
         UserError: empty or bad prompt file, models without a tokenizer, unsupported candidates,
-            replay at a temperature other than 0, or an existing dataset labelled with other models
-            or settings.
+            replay answers made at other sampling settings, or an existing dataset labelled with other
+            models or settings.
     """
     from blockpilot.runtime.runner import Runner
 
     _check_source(job)
     prompts = _load_prompts(job.replay_answers or job.prompts, job.limit)
     tokenizer = load_tokenizer(job.target)
-    hints = _load_hints(job.replay_answers, tokenizer)
+    hints = _load_hints(job.replay_answers, tokenizer, SamplingParams(job.temperature, job.top_k, job.top_p))
     largest = max(job.candidates) if job.candidates else None
     runner = Runner.from_dir(job.target, drafter_dir=job.drafter, backend=job.backend, device=job.device,
                              max_block_size=largest)
@@ -98,16 +100,13 @@ def run_label_job(job: LabelJob) -> dict:
 
 
 def _check_source(job: LabelJob) -> None:
-    """Exactly one prompt source; replay only where it is exact (T = 0, the torch backend)."""
+    """Exactly one prompt source; replay on the torch backend (its answers' sampling is checked on loading)."""
     if job.prompts is not None and job.replay_answers is not None:
         raise UserError("pass --prompts or --replay-answers, not both")
     if job.prompts is None and job.replay_answers is None:
-        raise UserError("pass --prompts FILE (decode every candidate) or --replay-answers FILE (T = 0 replay)")
+        raise UserError("pass --prompts FILE (decode every candidate) or --replay-answers FILE (replay)")
     if job.replay_answers is None:
         return
-    if job.temperature != 0:
-        raise UserError(f"--replay-answers is exact only at --temperature 0 (got {job.temperature}); "
-                        "label sampled decoding with --prompts")
     if job.backend != "torch":
         raise UserError(f"--replay-answers replays the torch models; use --backend torch (got {job.backend!r})")
     if job.calibration_prompts < 1 or job.calibration_reps < 1:
@@ -133,13 +132,13 @@ def _meta(job: LabelJob, backend, settings: LabelSettings, tokenizer) -> dict:
     }
 
 
-def _load_hints(answers: Path | None, tokenizer) -> list[list[int]] | None:
-    """Answer ids per prompt of a replay answers file (None without one)."""
+def _load_hints(answers: Path | None, tokenizer, sampling) -> list[list[int]] | None:
+    """Answer ids per prompt of a replay answers file (None without one), all made at `sampling`."""
     if answers is None:
         return None
     from blockpilot.predictor.replay import load_answer_hints
 
-    return load_answer_hints(answers, tokenizer)
+    return load_answer_hints(answers, tokenizer, sampling)
 
 
 def _calibration(job: LabelJob, runner, settings: LabelSettings, encoded: list[list[int]]) -> dict | None:

@@ -1,15 +1,25 @@
-"""Exact temperature-0 labels by replay: no target verify passes, step times from a calibration.
+"""Exact labels by replay: no target verify passes, step times from a calibration.
 
 At T = 0 speculative decoding commits exactly the target's greedy continuation `y` of the prompt,
 whatever the block size, so the acceptance length of every step can be replayed with drafter
 passes only (`blockpilot.training.evaluate.replay_block_sizes`) once `y` and the
-target's taps over prompt + `y` are known. Per prompt:
+target's taps over prompt + `y` are known.
+
+At T > 0 the same replay over one *draw* `y` of the target's continuation (at the same temperature,
+top-k and top-p) is speculative sampling itself, with its posterior draws coupled to `y`: a step
+accepts draft i while the drafts before it were accepted and draft i equals the posterior drawn
+after them, and given the committed prefix, the next token of `y` is distributed exactly as that
+posterior draw. So accepting while `draft == y` gives every step's acceptance length with exactly
+the distribution decoding gives it (the drafter is deterministic), and all candidates share the
+draw (common random numbers: their comparison is less noisy than separate decodes). `blockpilot
+answer --temperature T` draws `y`; past its end the replay draws the tokens it still needs. Per prompt:
 
     prefill (backend.prefill: the runtime's features)
     y     = the target's greedy continuation; an answer from a file is only a hint: one
             teacher-forced pass checks it, and from its first token that is not the target's
             argmax on, the rest is generated one token at a time (also past the end id, because
-            the last step's drafts are compared beyond it)
+            the last step's drafts are compared beyond it); at T > 0 the answer is the draw,
+            continued by drawing one token at a time
     taps  = the target's taps over prompt + y: from that teacher-forced pass, and from the
             one-token passes for generated tokens
     tau   = per candidate, drafter-only replay stopped where the runtime stops (the end id or the
@@ -31,6 +41,7 @@ import torch
 
 from blockpilot.errors import UserError
 from blockpilot.models.decoder import KVCache
+from blockpilot.runtime.sampling import SamplingParams, sample_tokens
 from blockpilot.training.evaluate import replay_block_sizes
 from blockpilot.predictor.labels import PARTS, LabelSettings, consolidate, prefill_row, save_rows_atomic
 
@@ -40,24 +51,39 @@ CALIBRATION_NEW_TAPS = 3  # newly committed positions fed to each timed draft ca
 # ---------------------------------------------------------------- answers (hints of the greedy continuation)
 
 
-def load_answer_hints(path: Path, tokenizer) -> list[list[int]]:
+def load_answer_hints(path: Path, tokenizer, sampling: SamplingParams | None = None) -> list[list[int]]:
     """Answer token ids of each prompt row of an answers JSONL file, in `load_jsonl_prompts` order.
 
     A row gives `answer_ids` (a list of ints) or `answer` (text, tokenized without special tokens);
-    `"finish": "stop"` means the answer ended with the end token, which is appended.
+    `"finish": "stop"` means the answer ended with the end token, which is appended. Every row must
+    have been made at `sampling` (default: greedy): its `temperature`, `top_k` and `top_p` (absent:
+    greedy, as `blockpilot answer` writes greedy rows) equal those of the labels.
 
     Raises:
-        UserError: the file is unreadable or a row has neither field (the message names the line).
+        UserError: the file is unreadable, a row has neither field, or a row was drawn at other
+            sampling settings (the message names the line).
     """
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read answers file {path}: {exc}") from None
+    sampling = sampling or SamplingParams()
     hints = []
     for number, line in enumerate(lines, 1):
         if line.strip():
-            hints.append(_hint_from_row(json.loads(line), tokenizer, f"{path}:{number}"))
+            row = json.loads(line)
+            _check_row_sampling(row, sampling, f"{path}:{number}")
+            hints.append(_hint_from_row(row, tokenizer, f"{path}:{number}"))
     return hints
+
+
+def _check_row_sampling(row: dict, sampling: SamplingParams, where: str) -> None:
+    drawn = (float(row.get("temperature", 0.0)), int(row.get("top_k", 0)), float(row.get("top_p", 1.0)))
+    if drawn != (sampling.temperature, sampling.top_k, sampling.top_p):
+        describe = lambda t, k, p: "greedy" if t == 0 else f"temperature {t:g}, top-k {k}, top-p {p:g}"
+        raise UserError(f"{where}: answer {describe(*drawn)}, labels at {describe(sampling.temperature, sampling.top_k, sampling.top_p)}: "
+                        "replay is exact only on answers made at the labels' sampling; pass the matching "
+                        "--temperature/--top-k/--top-p or make answers with `blockpilot answer --temperature ...`")
 
 
 def _hint_from_row(row: dict, tokenizer, where: str) -> list[int]:
@@ -87,21 +113,25 @@ def tokens_needed(continuation: list[int], settings: LabelSettings, end_id: int 
 
 
 @torch.inference_mode()
-def greedy_continuation(target, prompt_ids: list[int], hint: list[int], settings: LabelSettings,
-                        end_id: int | None, tap_layers) -> tuple[list[int], torch.Tensor, int]:
-    """The target's greedy continuation of `prompt_ids`, as long as the replay needs it, with its taps.
+def continuation(target, prompt_ids: list[int], hint: list[int], settings: LabelSettings,
+                 end_id: int | None, tap_layers,
+                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor, int]:
+    """The target's continuation of `prompt_ids`, as long as the replay needs it, with its taps.
 
-    One teacher-forced pass over prompt + `hint` checks the hint and gives the taps of every
-    position up to its first wrong token; from there tokens are generated one at a time, each
-    pass giving the taps of its position.
+    At T = 0 (`settings.temperature`) the greedy continuation: one teacher-forced pass over prompt +
+    `hint` checks the hint and gives the taps of every position up to its first wrong token; from
+    there tokens are generated one at a time, each pass giving the taps of its position. At T > 0
+    `hint` is a draw of the continuation at the settings' temperature, top-k and top-p (all of it is
+    kept) and the tokens the replay needs past it are drawn one at a time with `generator`.
 
     Args:
         target: the target `Decoder`.
         prompt_ids: the prompt's token ids.
-        hint: an answer believed to be greedy.
-        settings: candidates and token budget.
+        hint: an answer believed to be greedy (T = 0), or drawn at the settings' sampling (T > 0).
+        settings: candidates, sampling and token budget.
         end_id: the runtime's end id (None: stop only at the budget).
         tap_layers: the drafter's `target_layer_ids`.
+        generator: the draws past the hint (T > 0).
 
     Returns:
         The continuation `y` (index 0 is the token prefill commits), the taps `(1, P + len(y) - 1, tH)`
@@ -110,17 +140,23 @@ def greedy_continuation(target, prompt_ids: list[int], hint: list[int], settings
     """
     p, longest = len(prompt_ids), settings.max_new_tokens + max(settings.candidates) - 1
     hint, tap_layers = hint[:longest], tuple(tap_layers)
+    params = SamplingParams(settings.temperature, settings.top_k, settings.top_p)
     cache = KVCache.allocate(target.config, 1, p + longest, torch.float32)
     seq = torch.tensor([prompt_ids + hint])
     out = target(target.embed_tokens(seq), torch.arange(seq.shape[1]), cache, seq.shape[1], tap_layers)
-    greedy = target.lm_head(out.hidden[0, p - 1:]).argmax(-1).tolist()  # greedy[i]: the token after hint[:i]
-    agree = next((i for i, (h, g) in enumerate(zip(hint, greedy)) if h != g), len(hint))
-    y, taps = hint[:agree] + [greedy[agree]], [out.taps[:, :p + agree]]  # taps of prompt + y[:-1]
+    logits = target.lm_head(out.hidden[0, p - 1:])  # (len(hint) + 1, V): row i predicts the token after hint[:i]
+    if params.greedy:
+        greedy = logits.argmax(-1).tolist()
+        agree = next((i for i, (h, g) in enumerate(zip(hint, greedy)) if h != g), len(hint))
+    else:
+        agree = len(hint)
+    y = hint[:agree] + [int(sample_tokens(logits[agree], params, generator))]
+    taps = [out.taps[:, :p + agree]]  # taps of prompt + y[:-1]
     while len(y) < tokens_needed(y, settings, end_id)[1]:
         position = p + len(y) - 1  # feed y[-1]; the cache is right for every position before it
         out = target(target.embed_tokens(torch.tensor([[y[-1]]])), torch.tensor([position]), cache, position + 1,
                      tap_layers)
-        y.append(int(target.lm_head(out.hidden[0, -1]).argmax()))
+        y.append(int(sample_tokens(target.lm_head(out.hidden[0, -1]), params, generator)))
         taps.append(out.taps)
     n = tokens_needed(y, settings, end_id)[1]
     return y[:n], torch.cat(taps, dim=1)[:, :p + n - 1], len(y) - agree - 1
@@ -133,23 +169,25 @@ def greedy_continuation(target, prompt_ids: list[int], hint: list[int], settings
 
 
 def replay_row(backend, input_ids: list[int], hint: list[int], settings: LabelSettings, end_id: int | None,
-               step_times: dict[str, dict[str, float]]) -> dict[str, torch.Tensor]:
-    """One dataset row (as `labels.label_prompt` writes at T = 0) from replay and calibrated step times.
+               step_times: dict[str, dict[str, float]],
+               generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """One dataset row (as `labels.label_prompt` writes) from replay and calibrated step times.
 
     Args:
         backend: a `TorchBackend` with a drafter (its `target` and `drafter` modules are replayed).
         input_ids: the prompt's token ids.
-        hint: answer ids believed greedy (see `greedy_continuation`).
-        settings: candidates and token budget (temperature 0).
+        hint: answer ids believed greedy, or drawn at the settings' sampling (see `continuation`).
+        settings: candidates, sampling and token budget.
         end_id: the runtime's end id.
         step_times: `{"draft_s": {size: s}, "verify_s": {size: s}}` per-call medians (`calibrate_step_times`).
+        generator: draws past the end of a sampled hint (T > 0).
 
     Returns:
         Row tensors with a leading dimension of 1 (see `blockpilot.predictor.labels`).
     """
     target, drafter, p = backend.target, backend.drafter, len(input_ids)
     row = prefill_row(backend, input_ids)
-    y, taps, _ = greedy_continuation(target, input_ids, hint, settings, end_id, drafter.config.target_layer_ids)
+    y, taps, _ = continuation(target, input_ids, hint, settings, end_id, drafter.config.target_layer_ids, generator)
     s, _ = tokens_needed(y, settings, end_id)
     k = len(settings.candidates)
     lengths = _replay_lengths(target, drafter, input_ids + y, p, settings.candidates, taps, stop_at=p + s)
@@ -178,7 +216,8 @@ def replay_label_prompts(backend, prompts: list[tuple[int, str, list[int]]], hin
     """Label `prompts` (file index, id, token ids) by replay into the prepared dataset directory `out`.
 
     `hints[index]` is the answer of the prompt at file index `index`. Rows are written one part
-    file each, as `labels.label_prompts` does, and consolidated at the end.
+    file each, as `labels.label_prompts` does, and consolidated at the end. At T > 0 the draws past
+    a hint's end come from a generator seeded with `settings.seed + index` (a resumed run draws alike).
 
     Returns:
         The number of rows in the dataset afterwards.
@@ -186,7 +225,8 @@ def replay_label_prompts(backend, prompts: list[tuple[int, str, list[int]]], hin
     from tqdm import tqdm
 
     for index, prompt_id, ids in tqdm(prompts, desc="labelling (replay)", unit="prompt", disable=not progress):
-        row = replay_row(backend, ids, hints[index], settings, end_id, step_times)
+        generator = torch.Generator().manual_seed(settings.seed + index)
+        row = replay_row(backend, ids, hints[index], settings, end_id, step_times, generator)
         save_rows_atomic([prompt_id], row, out / PARTS / f"{index:07d}.safetensors")
     return consolidate(out)
 

@@ -1,6 +1,7 @@
 """Train the block-size predictor on label datasets, export it to ONNX and write its report.
 
-Rows are split once (seeded) into train / validation / test. The MLP is fit on train (AdamW) with
+Rows are split once (seeded) into train / validation / test, the rows of one prompt (labelled at
+several temperatures) always in the same split. The MLP is fit on train (AdamW) with
 early stopping on the validation loss (the best epoch's weights are kept); the report measures the
 test split, which neither fitting nor stopping has seen (the validation split when `test_fraction`
 is 0). Two losses:
@@ -115,17 +116,41 @@ def check_dataset_models(dataset: LabelDataset, target_dir: Path | None, drafter
                             f"{directory} has {actual[:12]}); label this {role} with `blockpilot label` first")
 
 
-def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int):
-    """Seeded disjoint (train, val, test) index tensors; val has at least one row, test may be empty."""
+def split_indices(n: int, val_fraction: float, test_fraction: float, seed: int,
+                  groups: torch.Tensor | None = None):
+    """Seeded disjoint (train, val, test) index tensors; val has at least one row, test may be empty.
+
+    `groups` `(n,)` int64, numbered in order of first appearance (`prompt_groups`): rows of one
+    group (one prompt labelled at several temperatures) fall in the same split, and the fractions
+    count groups. Without it every row is its own group.
+    """
     if n < MIN_ROWS:
         raise UserError(f"the dataset has {n} labelled prompts; label at least {MIN_ROWS} to train a predictor")
     if not (0 < val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
         raise UserError(f"validation ({val_fraction}) and test ({test_fraction}) fractions must be >= 0, the "
                         "validation one > 0, and sum to less than 1")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_val = max(1, round(n * val_fraction))
-    n_test = round(n * test_fraction)
-    return order[n_val + n_test:], order[:n_val], order[n_val:n_val + n_test]
+    groups = torch.arange(n) if groups is None else groups
+    count = int(groups.max()) + 1
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    rank = torch.empty(count, dtype=torch.int64)
+    rank[order] = torch.arange(count)  # each group's place in the seeded order
+    row_rank = rank[groups]
+    rows = torch.argsort(row_rank * n + torch.arange(n))  # rows in the groups' seeded order
+    n_val = max(1, round(count * val_fraction))
+    n_test = round(count * test_fraction)
+    place = row_rank[rows]
+    return rows[place >= n_val + n_test], rows[place < n_val], rows[(place >= n_val) & (place < n_val + n_test)]
+
+
+def prompt_groups(features: torch.Tensor) -> torch.Tensor:
+    """`(N,)` group ids for rows `(N, F)`: rows with identical features (the same prompt, labelled at
+    several temperatures) share one, numbered in order of first appearance."""
+    _, inverse = torch.unique(features, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), len(inverse)).scatter_reduce(
+        0, inverse, torch.arange(len(inverse)), reduce="amin")
+    rank = torch.empty_like(first)
+    rank[first.argsort()] = torch.arange(len(first))
+    return rank[inverse]
 
 
 def fit(model: BlockSizeMLP, data: TrainingData, train: torch.Tensor, val: torch.Tensor,
@@ -198,7 +223,8 @@ def train_predictor(datasets: list[LabelDataset], settings: TrainSettings, out: 
     if str(out).endswith(".report.json") or Path(out).suffix != ".onnx":
         raise UserError(f"--out {out} should be a path ending in .onnx")
     data = assemble(datasets, settings)
-    train, val, test = split_indices(len(data.labels), settings.val_fraction, settings.test_fraction, settings.seed)
+    train, val, test = split_indices(len(data.labels), settings.val_fraction, settings.test_fraction, settings.seed,
+                                     prompt_groups(data.features))
     torch.manual_seed(settings.seed)  # initialisation and dropout
     model = _new_model(data, train, settings)
     history = fit(model, data, train, val, settings)

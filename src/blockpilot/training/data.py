@@ -12,6 +12,7 @@ import dataclasses
 import gzip
 import json
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -71,13 +72,21 @@ def _answered_prompts(out_path: Path) -> set[str]:
     return {r["prompt"] for r in read_answer_rows(out_path)} if out_path.exists() and out_path.stat().st_size else set()
 
 
-def _answer_line(tokenizer, source: str, prompt: str, generated: list[int], end_id: int | None) -> str:
-    """One answers-file row: the generated ids up to the end token (`finish` "stop"), else all of them."""
+def _answer_line(tokenizer, source: str, prompt: str, generated: list[int], end_id: int | None,
+                 sampled: dict | None = None) -> str:
+    """One answers-file row: the generated ids up to the end token (`finish` "stop"), else all of them;
+    a sampled answer also records how it was drawn (`sampled`: temperature, top_k, top_p, seed)."""
     stop = end_id is not None and end_id in generated
     answer_ids = generated[: generated.index(end_id)] if stop else generated
     return json.dumps({"source": source, "prompt": prompt,
                        "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
-                       "answer_ids": answer_ids, "finish": "stop" if stop else "length"}) + "\n"
+                       "answer_ids": answer_ids, "finish": "stop" if stop else "length", **(sampled or {})}) + "\n"
+
+
+def prompt_seed(seed: int, prompt: str) -> int:
+    """The sampling seed of one prompt's answer: fixed by `seed` and the prompt's text, so a resumed
+    or reordered run draws every answer as the first run would have."""
+    return (seed * 1_000_003 + zlib.crc32(prompt.encode())) % 2**63
 
 
 @torch.inference_mode()
@@ -120,8 +129,8 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
 
 def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens: int, batch_size: int,
                        out_path: Path, sources: list[str] | None = None,
-                       time_budget_s: float | None = None) -> Path:
-    """Answer `prompts` greedily with a runner's plain decoding (block size 1), continuously batched.
+                       time_budget_s: float | None = None, sampling=None, seed: int = 0) -> Path:
+    """Answer `prompts` with a runner's plain decoding (block size 1), continuously batched.
 
     The fast path on the CPU: an onnxruntime engine directory's target decodes up to `batch_size`
     answers in every step, and a finished answer leaves the batch at once and is appended to
@@ -129,8 +138,16 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
     rerun skips every prompt already there). With `time_budget_s`, no new prompt starts once the
     budget is spent; those in flight finish. Rows as `regenerate_answers` writes them. A prompt the
     decoder refuses (too long for the engine's cache) is skipped with a count at the end.
+
+    Greedy by default; with `sampling` (a `SamplingParams` at a temperature above 0) each answer is
+    one draw from the target's distribution, its generator seeded with `prompt_seed(seed, prompt)`,
+    and its row records `temperature`, `top_k`, `top_p` and `seed` (what `label --replay-answers`
+    checks before it replays sampled decoding on it).
     """
     from blockpilot.runtime.batching import BatchDecoder, GenerationRequest
+    from blockpilot.runtime.sampling import SamplingParams
+
+    sampling = sampling or SamplingParams()
 
     began = time.perf_counter()
     done = _answered_prompts(out_path)
@@ -146,7 +163,8 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
                     time_budget_s is not None and time.perf_counter() - began > time_budget_s):
                 prompt, source = todo.pop(0)
                 request = GenerationRequest(chat_prompt_ids(tokenizer, prompt), max_new_tokens, block_size=1,
-                                            end_id=end_id)
+                                            end_id=end_id, temperature=sampling.temperature, top_k=sampling.top_k,
+                                            top_p=sampling.top_p, seed=prompt_seed(seed, prompt))
                 try:
                     in_flight[decoder.add(request)] = (prompt, source)
                 except UserError:  # prompt + max_new_tokens beyond the cache
@@ -158,7 +176,8 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
                 if not event.finished:
                     continue
                 prompt, source = in_flight.pop(event.request_id)
-                out.write(_answer_line(tokenizer, source, prompt, list(event.result.output_tokens), end_id))
+                drawn = None if sampling.greedy else {**dataclasses.asdict(sampling), "seed": prompt_seed(seed, prompt)}
+                out.write(_answer_line(tokenizer, source, prompt, list(event.result.output_tokens), end_id, drawn))
                 out.flush()
                 bar.update(1)
     if todo:
