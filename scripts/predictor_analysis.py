@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from blockpilot.predictor.labels import load_label_dataset
-from blockpilot.predictor.train import TrainSettings, assemble, split_indices
+from blockpilot.predictor.train import TrainSettings, assemble, prompt_groups, split_indices
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     data = assemble(datasets, TrainSettings(objective="throughput"))
     category = [sources.get(i, "?") for d in datasets for i in d.ids]
     temperature = data.temperature[:, 0].tolist()
-    _, _, test = split_indices(len(data.labels), args.val_fraction, args.test_fraction, args.seed)
+    _, _, test = split_indices(len(data.labels), args.val_fraction, args.test_fraction, args.seed,
+                               prompt_groups(data.features))
     chosen = {}
     for path in args.predictor:
         from blockpilot.runtime.policy import OnnxBlockSizePolicy
