@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if backend is None:
         backend = "onnxruntime" if device == "cpu" and (args.target is None or args.engine_dir) else "torch"
     if backend == "onnxruntime":
-        _answer_with_runner(args, prompts, sampling, _onnxruntime_runner(args))
+        _answer_with_runner(args, prompts, sampling, *_onnxruntime_runner(args))
         print(f"answers in {args.out}")
         return 0
     if args.engine_dir is not None:
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if not sampling.greedy:  # sampled: the runtime's own sampler, plain decoding on torch
         from blockpilot.runtime.runner import Runner
 
-        _answer_with_runner(args, prompts, sampling, Runner.from_dir(args.target, device=device))
+        _answer_with_runner(args, prompts, sampling, Runner.from_dir(args.target, device=device), args.target)
         print(f"answers in {args.out}")
         return 0
     regenerate_answers(args.target, [p.text for p in prompts], max_new_tokens=args.max_new_tokens,
@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _onnxruntime_runner(args: argparse.Namespace):
+    """(runner, engine dir) for plain decoding on onnxruntime: --engine-dir, else the embedded default's."""
     from blockpilot.errors import UserError
     from blockpilot.runtime.runner import Runner
 
@@ -108,16 +109,15 @@ def _onnxruntime_runner(args: argparse.Namespace):
         from blockpilot.builder.embedded import embedded_engine_dir
 
         engine_dir = embedded_engine_dir()
-    args.engine_dir = engine_dir
-    return Runner.from_engine_dir(engine_dir, backend="onnxruntime", threads=args.threads)
+    return Runner.from_engine_dir(engine_dir, backend="onnxruntime", threads=args.threads), engine_dir
 
 
-def _answer_with_runner(args: argparse.Namespace, prompts, sampling, runner) -> None:
+def _answer_with_runner(args: argparse.Namespace, prompts, sampling, runner, tokenizer_dir) -> None:
     from transformers import AutoTokenizer
 
     from blockpilot.training.data import answer_with_runner
 
-    tokenizer = AutoTokenizer.from_pretrained(args.engine_dir or args.target)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     answer_with_runner(runner, tokenizer, [p.text for p in prompts], max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, out_path=args.out, sources=[p.category for p in prompts],
                        time_budget_s=args.time_budget * 60 if args.time_budget else None, sampling=sampling,
