@@ -3,23 +3,27 @@
 # src/blockpilot/assets/drafters/ now (rerun it after the drafter changes: the predictor is pinned to
 # the drafter's weights, and the embedded engine dir rebuilds when the predictor file changes).
 #
-#   scripts/make_predictor.sh                 # everything, T = 0 exact replay on three prompt sets the drafter
-#                                             # never trained on: its held-out split, 298 stdlib-code tasks and
-#                                             # 300 ShareGPT first turns (the target's answers are in data/)
+#   scripts/make_predictor.sh                 # everything: exact replay on four prompt sets the drafter never
+#                                             # trained on (its held-out split, 298 stdlib-code tasks, ShareGPT
+#                                             # first turns, CHAMP math; the target's greedy answers are in data/)
+#                                             # at T = 0, and on answers the target draws at T = 1 and 0.7
+#                                             # (`blockpilot answer --temperature`); the predictor takes the
+#                                             # request's temperature as an input
 #   LIMIT=64 scripts/make_predictor.sh        # fewer prompts (the dataset resumes: rerun to add more)
-#   SAMPLED=32 scripts/make_predictor.sh      # also label 32 prompts by sampled decoding at T = 0.7 and 1
+#   SAMPLED= scripts/make_predictor.sh        # T = 0 labels only (a predictor without the temperature input)
 #
 # Environment (defaults in brackets):
 #   ANSWERS [data/smollm2-answers-9831.jsonl.gz]  the answers file the drafter was trained on
 #   STDLIB [data/smollm2-stdlib-answers-3574.jsonl.gz]  answers to stdlib-code tasks the drafter never saw
 #   SHAREGPT [data/smollm2-sharegpt-answers-*.jsonl.gz]  answers to ShareGPT turns the drafter never saw
 #   CHAMP [data/smollm2-champ-answers-270.jsonl.gz]  answers to natural-language competition math problems
-#   CHAMP_LIMIT [270]  how many of them are labelled (all 270 for the shipped predictor)
+#   CHAMP_LIMIT [200]  SHAREGPT_LIMIT [200]  how many of those are labelled at T = 0
 #   VALID [256]  SEED [0]   the drafter's `train-drafter --valid/--seed`: its held-out split is labelled
 #   CANDIDATES [1,2,3,4,6,8,10,12,16]   1 = plain decoding
 #   MAX_NEW [96]   LIMIT [all]   RUNS [runs/predictor]
 #   STEP_COSTS [the embedded engine dir]  engine dir or JSON whose step-cost table scores the labels
-#   SAMPLED [0]   prompts labelled by sampled decoding at T = 0.7 and 1 (slow: every candidate decoded)
+#   SAMPLED ["1.0:100 0.7:75"]   TEMPERATURE:N pairs: the first N prompts of each set answered by the target
+#                 at that temperature and labelled by replay on those draws
 #   JOBS [1]   labelling processes at once (one core each; 2 halves the wall time on a 2-core machine)
 #   DRAFTER [the shipped drafter]  OUT [the shipped predictor]   to label and train for a candidate drafter
 set -euo pipefail
@@ -30,13 +34,14 @@ ANSWERS=${ANSWERS:-data/smollm2-answers-9831.jsonl.gz}
 STDLIB=${STDLIB:-data/smollm2-stdlib-answers-3574.jsonl.gz}
 SHAREGPT=${SHAREGPT:-$(ls data/smollm2-sharegpt-answers-*.jsonl.gz | head -1)}
 CHAMP=${CHAMP:-data/smollm2-champ-answers-270.jsonl.gz}
-CHAMP_LIMIT=${CHAMP_LIMIT:-270}
+CHAMP_LIMIT=${CHAMP_LIMIT:-200}
+SHAREGPT_LIMIT=${SHAREGPT_LIMIT:-200}
 VALID=${VALID:-256}
 SEED=${SEED:-0}
 CANDIDATES=${CANDIDATES:-1,2,3,4,6,8,10,12,16}
 MAX_NEW=${MAX_NEW:-96}
 RUNS=${RUNS:-runs/predictor}
-SAMPLED=${SAMPLED:-0}
+SAMPLED=${SAMPLED-1.0:100 0.7:75}
 JOBS=${JOBS:-1}
 DRAFTER=${DRAFTER:-src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8}
 OUT=${OUT:-src/blockpilot/assets/predictors/smollm2-135m-instruct-dflash-b8.onnx}
@@ -72,39 +77,44 @@ with open(f"{runs}/sharegpt-new-300.jsonl", "w") as out:
 with open(f"{runs}/champ.jsonl", "w") as out:
     out.writelines(json.dumps(r) + "\n" for r in rows(champ))
 EOF
-label_set() {  # T = 0 exact replay labels of one prompt set (the dataset resumes if rerun)
-  local file limit out note
+label_set() {  # exact replay labels of one prompt set at one temperature (the dataset resumes if rerun)
+  local file limit out note t=${2:-0} n=${3:-}
   case $1 in
     heldout) file="$RUNS/heldout.jsonl" limit=${LIMIT:-} out="$RUNS/labels-t0"
-             note="held-out split of $ANSWERS (--valid $VALID --seed $SEED), T = 0 exact replay" ;;
+             note="held-out split of $ANSWERS (--valid $VALID --seed $SEED)" ;;
     stdlib) file="$RUNS/stdlib-300.jsonl" limit=${LIMIT:-} out="$RUNS/labels-stdlib-t0" ;;
-    sharegpt) file="$RUNS/sharegpt-new-300.jsonl" limit=${LIMIT:-} out="$RUNS/labels-sharegpt-t0" ;;
+    sharegpt) file="$RUNS/sharegpt-new-300.jsonl" limit=${LIMIT:-$SHAREGPT_LIMIT} out="$RUNS/labels-sharegpt-t0" ;;
     champ) file="$RUNS/champ.jsonl" limit=${LIMIT:-$CHAMP_LIMIT} out="$RUNS/labels-champ-t0" ;;
   esac
-  note=${note:-"$file (not in the drafter's training data), T = 0 exact replay"}
-  "$BP" label --drafter "$DRAFTER" --replay-answers "$file" --block-sizes "$CANDIDATES" \
+  note="${note:-"$file (not in the drafter's training data)"}, T = $t exact replay"
+  if [[ $t != 0 ]]; then  # the target's own draws at T (the replay needs max(CANDIDATES) - 1 tokens past MAX_NEW)
+    local name; name=$(basename "$file" .jsonl)
+    local drawn="$RUNS/answers-$name-t$t.jsonl"
+    "$BP" answer --prompts "$file" --limit "$n" --temperature "$t" --seed "$SEED" --batch-size 32 \
+        --max-new-tokens $((MAX_NEW + ${CANDIDATES##*,} - 1)) --out "$drawn"
+    file=$drawn limit=$n out="$RUNS/labels-$name-t$t"
+  fi
+  "$BP" label --drafter "$DRAFTER" --replay-answers "$file" --block-sizes "$CANDIDATES" --temperature "$t" \
       --step-costs "$STEP_COSTS" --max-new-tokens "$MAX_NEW" ${limit:+--limit "$limit"} --out "$out" \
-      --clock cpu --calibration-prompts 1 --calibration-reps 2 \
-      --note "$note"
+      --clock cpu --calibration-prompts 1 --calibration-reps 2 --note "$note"
+}
+lane() {  # every temperature of the given sets
+  for set in "$@"; do label_set "$set"; done
+  for pair in $SAMPLED; do for set in "$@"; do label_set "$set" "${pair%%:*}" "${pair##*:}"; done; done
 }
 if (( JOBS > 1 )); then  # two lanes of about equal work
-  (label_set heldout; label_set sharegpt) & lane=$!
-  label_set stdlib; label_set champ
-  wait "$lane"
+  lane heldout sharegpt & other=$!
+  lane stdlib champ
+  wait "$other"
 else
-  for set in heldout stdlib sharegpt champ; do label_set "$set"; done
+  lane heldout stdlib sharegpt champ
 fi
 datasets=(--dataset "$RUNS/labels-t0" --dataset "$RUNS/labels-stdlib-t0" --dataset "$RUNS/labels-sharegpt-t0"
           --dataset "$RUNS/labels-champ-t0")
-if (( SAMPLED > 0 )); then
-  for t in 0.7 1.0; do
-    "$BP" label --drafter "$DRAFTER" --prompts "$RUNS/heldout.jsonl" --block-sizes "$CANDIDATES" \
-        --step-costs "$STEP_COSTS" --temperature "$t" --max-new-tokens "$MAX_NEW" --limit "$SAMPLED" \
-        --out "$RUNS/labels-t$t" --clock cpu
-    datasets+=(--dataset "$RUNS/labels-t$t")
-  done
-fi
-temperature=$( (( SAMPLED > 0 )) && echo --with-temperature || true)
+for pair in $SAMPLED; do
+  for name in heldout stdlib-300 sharegpt-new-300 champ; do datasets+=(--dataset "$RUNS/labels-$name-t${pair%%:*}"); done
+done
+temperature=$([[ -n "$SAMPLED" ]] && echo --with-temperature || true)
 # --step-costs again: labels made earlier with another table are re-scored with this one
 "$BP" train-predictor "${datasets[@]}" --objective throughput --loss regret --features pooled --hidden 64 $temperature \
     --step-costs "$STEP_COSTS" \
