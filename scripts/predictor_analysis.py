@@ -83,7 +83,11 @@ def main(argv=None) -> int:
         kind = policy.info.feature_kind
         features = torch.cat([d.rows[kind].float() for d in datasets])
         probs = torch.cat([policy.probabilities(features[i:i + 1], temperature[i]) for i in range(len(features))])
-        chosen[f"auto:{path.stem}"] = probs.argmax(dim=1)
+        choice = probs.argmax(dim=1)
+        if 1 in data.candidates:  # as the runtime: a request at a temperature the predictor does not cover decodes plainly
+            plain = torch.tensor([not policy.covers_temperature(t) for t in temperature])
+            choice = torch.where(plain, data.candidates.index(1), choice)
+        chosen[f"auto:{path.stem}"] = choice
     result = {"candidates": list(data.candidates), "groups": {}}
     tok_s = data.throughput  # tau per second of step
     for split_name, rows in (("all", torch.arange(len(data.labels))), ("test", test)):
