@@ -22,7 +22,7 @@
 #   CANDIDATES [1,2,3,4,6,8,10,12,16]   1 = plain decoding
 #   MAX_NEW [96]   LIMIT [all]   RUNS [runs/predictor]
 #   STEP_COSTS [the embedded engine dir]  engine dir or JSON whose step-cost table scores the labels
-#   SAMPLED ["1.0:100 0.7:75"]   TEMPERATURE:N pairs: the first N prompts of each set answered by the target
+#   SAMPLED ["1.0:100 0.7:50"]   TEMPERATURE:N pairs: the first N prompts of each set answered by the target
 #                 at that temperature and labelled by replay on those draws
 #   JOBS [1]   labelling processes at once (one core each; 2 halves the wall time on a 2-core machine)
 #   DRAFTER [the shipped drafter]  OUT [the shipped predictor]   to label and train for a candidate drafter
@@ -41,7 +41,7 @@ SEED=${SEED:-0}
 CANDIDATES=${CANDIDATES:-1,2,3,4,6,8,10,12,16}
 MAX_NEW=${MAX_NEW:-96}
 RUNS=${RUNS:-runs/predictor}
-SAMPLED=${SAMPLED-1.0:100 0.7:75}
+SAMPLED=${SAMPLED-1.0:100 0.7:50}
 JOBS=${JOBS:-1}
 DRAFTER=${DRAFTER:-src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8}
 OUT=${OUT:-src/blockpilot/assets/predictors/smollm2-135m-instruct-dflash-b8.onnx}

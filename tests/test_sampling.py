@@ -350,3 +350,18 @@ def test_speculative_sampling_at_t1_matches_the_target_distribution_on_every_off
     assert sum(a >= 2 for a in accept_lengths) > N_SAMPLES // 5  # drafts were accepted
     wrong, _ = runner_first_tokens(backend, block_size, temperature=0.7, seed=20 + block_size)
     assert chi2_statistic(wrong, joint)[0] > chi2_critical(df)  # and the test can tell
+
+
+def test_categorical_draws_follow_each_rows_probabilities_and_never_a_zero_one():
+    from blockpilot.runtime.sampling import draw_categorical
+
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0], [0.5, 0.0, 0.0, 0.0, 0.0, 0.5], [0.0] * 5 + [2.0]])
+    generator = torch.Generator().manual_seed(1)
+    draws = torch.stack([draw_categorical(probs, generator) for _ in range(6000)])  # (6000, 3)
+    counts = torch.stack([torch.bincount(draws[:, r], minlength=6) for r in range(3)]).double()
+    expected = probs / probs.sum(dim=1, keepdim=True) * len(draws)
+    assert (counts[expected == 0] == 0).all()  # zero-probability indices are never drawn
+    chi2 = ((counts - expected)[expected > 0] ** 2 / expected[expected > 0]).sum()
+    assert chi2 < 20  # 4 degrees of freedom: P(chi2 > 20) < 0.001
+    again = torch.stack([draw_categorical(probs, torch.Generator().manual_seed(1)) for _ in range(3)])
+    assert torch.equal(again[0], draws[0]) and torch.equal(again[0], again[2])  # the seed fixes the draw

