@@ -115,7 +115,7 @@ def test_auto_rows_use_the_policy_choice_and_report_predictor_time(full_profile)
 def test_oracle_rows_are_the_best_sweep_row_of_each_prompt(full_profile):
     rows = full_profile[0].results["rows"]
     for oracle in (r for r in rows if r["system"] == "bp-oracle"):
-        sweep = [r for r in rows if r["kind"] == "bp" and r["system"].startswith("bp-b")
+        sweep = [r for r in rows if r["system"] in {f"bp-b{b}" for b in PromptLengthPolicy.candidates}
                  and (r["prompt_id"], r["temperature"]) == (oracle["prompt_id"], oracle["temperature"])]
         assert oracle["derived_from"] in {r["system"] for r in sweep}
         assert oracle["tau"] == max(r["tau"] for r in sweep)
