@@ -78,12 +78,19 @@ def load_answer_hints(path: Path, tokenizer, sampling: SamplingParams | None = N
 
 
 def _check_row_sampling(row: dict, sampling: SamplingParams, where: str) -> None:
-    drawn = (float(row.get("temperature", 0.0)), int(row.get("top_k", 0)), float(row.get("top_p", 1.0)))
-    if drawn != (sampling.temperature, sampling.top_k, sampling.top_p):
-        describe = lambda t, k, p: "greedy" if t == 0 else f"temperature {t:g}, top-k {k}, top-p {p:g}"
-        raise UserError(f"{where}: answer {describe(*drawn)}, labels at {describe(sampling.temperature, sampling.top_k, sampling.top_p)}: "
-                        "replay is exact only on answers made at the labels' sampling; pass the matching "
-                        "--temperature/--top-k/--top-p or make answers with `blockpilot answer --temperature ...`")
+    """Raise `UserError` unless the row's answer was made at `sampling` (absent fields: greedy)."""
+    try:
+        drawn = SamplingParams(float(row.get("temperature", 0.0)), int(row.get("top_k", 0)), float(row.get("top_p", 1.0)))
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{where}: {exc}; fix the row's temperature, top_k or top_p") from None
+    if drawn != sampling:
+        raise UserError(f"{where}: answer {_describe(drawn)}, labels at {_describe(sampling)}: replay is exact only "
+                        "on answers made at the labels' sampling; pass the matching --temperature/--top-k/--top-p "
+                        "or make answers with `blockpilot answer --temperature ...`")
+
+
+def _describe(params: SamplingParams) -> str:
+    return "greedy" if params.greedy else f"temperature {params.temperature:g}, top-k {params.top_k}, top-p {params.top_p:g}"
 
 
 def _hint_from_row(row: dict, tokenizer, where: str) -> list[int]:
