@@ -141,18 +141,21 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def greedy_draft_tokens(hidden: torch.Tensor, head_weight: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+def greedy_draft_tokens(hidden: torch.Tensor, head_weight: torch.Tensor | nn.Module,
+                        vocab_ids: torch.Tensor | None) -> torch.Tensor:
     """Greedy draft tokens as target ids: argmax of `hidden @ head_weight.T`, mapped through `vocab_ids`.
 
     Args:
         hidden: `(..., H)` drafter outputs (after the final norm).
-        head_weight: `(N, H)` from `DFlashDrafter.draft_head_weight` (N = V without a draft vocabulary).
+        head_weight: `(N, H)` from `DFlashDrafter.draft_head_weight` (N = V without a draft vocabulary),
+            or a module computing that product (a `PackedLinear` of it).
         vocab_ids: `(N,)` target id of each row of `head_weight`, or None when the rows are all V ids.
 
     Returns:
         `(...)` int64 target token ids.
     """
-    best = torch.nn.functional.linear(hidden, head_weight).argmax(-1)  # (...) row of head_weight
+    logits = head_weight(hidden) if isinstance(head_weight, nn.Module) else nn.functional.linear(hidden, head_weight)
+    best = logits.argmax(-1)  # (...) row of head_weight
     return best if vocab_ids is None else vocab_ids[best]
 
 

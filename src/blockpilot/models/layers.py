@@ -59,7 +59,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
-        self.gate_up: torch.Tensor | None = None  # (2 i, h) [gate; up], set by `fuse_projections`
+        # (2 i, h) [gate; up] weight, set by `fuse_projections`; a `PackedLinear` once packed (`models.packed`)
+        self.gate_up: torch.Tensor | nn.Module | None = None
 
     def fuse_projections(self) -> None:
         """Compute gate and up projections with one matrix product (same values, fewer calls)."""
@@ -67,7 +68,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            fused = self.gate_up(x) if isinstance(self.gate_up, nn.Module) else F.linear(x, self.gate_up)
+            gate, up = fused.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -89,7 +91,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse_projections`
+        # (weight, bias) of q, k and v stacked, set by `fuse_projections`; a `PackedLinear` once packed
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | nn.Module | None = None
 
     def fuse_projections(self) -> None:
         """Compute q, k and v with one matrix product (same values, fewer calls)."""
@@ -102,7 +105,7 @@ class Attention(nn.Module):
         if self.qkv is None:
             return (self.query(x, cos, sin), *self.key_value(x, cos, sin))
         b, t, _ = x.shape
-        fused = F.linear(x, *self.qkv)
+        fused = self.qkv(x) if isinstance(self.qkv, nn.Module) else F.linear(x, *self.qkv)
         q, k, v = fused.split((self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim), -1)
         q, k = q.view(b, t, self.n_heads, self.head_dim), k.view(b, t, self.n_kv, self.head_dim)
         if self.q_norm is not None:

@@ -19,6 +19,7 @@ import torch
 from blockpilot.models.config import DecoderConfig, DrafterConfig
 from blockpilot.models.decoder import Decoder, KVCache
 from blockpilot.models.dflash import DFlashDrafter, greedy_draft_tokens
+from blockpilot.models.packed import PackedLinear, can_pack, pack_linears
 
 
 @dataclasses.dataclass
@@ -132,12 +133,17 @@ class TorchBackend:
     rows of a K = 8 verify differ from K = 1 steps by up to 5e-5 in fp32, more in bf16). Reduced
     precision uses it by default (`Runner.from_dir`), where products cost about the same for 1 and
     16 rows; fp32 without it is the fast reference, exact up to such rounding.
+
+    bf16 weights on a CPU with oneDNN's bf16 products are prepacked once (`pack_weights`, default:
+    whenever possible; q/k/v and gate/up fused first; `models.packed`): same results, about 1.3x
+    faster target forwards and 3x faster drafter calls on SmolLM2 than eager products, which
+    reorder every weight on every call.
     """
 
     name = "torch"
 
     def __init__(self, target: Decoder, drafter: DFlashDrafter | None, max_block_size: int | None = None,
-                 fixed_shape: bool = False):
+                 fixed_shape: bool = False, pack_weights: bool | None = None):
         self.target = target
         self.drafter = drafter
         self.target_config = target.config
@@ -151,6 +157,14 @@ class TorchBackend:
         self.device = target.embed_tokens.weight.device
         self.dtype = target.embed_tokens.weight.dtype
         self.draft_head = drafter.draft_head_weight(target.lm_head.weight) if drafter is not None else None  # (N, H)
+        self.packed = can_pack(target.embed_tokens.weight) if pack_weights is None else pack_weights
+        if self.packed:
+            rows = self.fixed_rows or 16
+            target.fuse_projections()
+            pack_linears(target, rows)
+            if drafter is not None:
+                pack_linears(drafter, rows)
+                self.draft_head = PackedLinear(self.draft_head, None, rows)
 
     def supports_block_size(self, block_size: int) -> bool:
         return 1 <= block_size <= self.max_block_size
