@@ -113,3 +113,32 @@ def test_smollm2_verify_rows_equal_plain_decoding_steps_bit_for_bit(path):
     for k in (2, 4, 8, 16):
         rows, steps = verify_rows_and_steps(backend, prompt, block[:k])
         assert torch.equal(rows, steps), f"{path}: K={k} rows differ by {(rows - steps).abs().max()}"
+
+
+@pytest.mark.parametrize("path", LOSSLESS_PATHS)
+def test_one_row_plain_decoding_drops_the_padding_rows_that_plain_decoding_runs(tmp_path_factory, path):
+    """`one_row_plain` (profile baseline ar-1row) runs each plain step as one row; `ar` pads it to the
+    rows every verify step has, so that it rounds like them."""
+    runner = tiny_path(tmp_path_factory, path)
+    padded, one_row = runner.backend, runner.backend.one_row_plain()
+    rows_per_call = {}
+    for name, backend in (("padded", padded), ("one_row", one_row)):
+        state = backend.new_state(1, len(PROMPT) + 4)
+        backend.prefill(state, torch.tensor([PROMPT]))
+        calls = []
+        model = backend.target
+        if path == "onnxruntime-fp32":
+            run = model.run
+            model.run = lambda inputs, caches: calls.append(inputs["input_ids"].shape[1]) or run(inputs, caches)
+        else:
+            handle = model.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[1]))
+        try:
+            backend.verify(state, torch.tensor([[7]]), len(PROMPT))
+        finally:
+            if path == "onnxruntime-fp32":
+                del model.run
+            else:
+                handle.remove()
+        rows_per_call[name] = calls
+    assert rows_per_call["one_row"] == [1]
+    assert rows_per_call["padded"] == [2 if path == "onnxruntime-fp32" else padded.fixed_rows]

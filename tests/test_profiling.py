@@ -162,13 +162,15 @@ def test_engine_dir_profile_takes_tokenizer_target_and_drafter_from_the_engine(t
     build_engine_dir(BuildSpec(target, drafter, engine, block_sizes=(B_TRAIN,), max_seq_len=96))
     out = tmp / "report-engine"
     argv = ["profile", "--engine-dir", str(engine), "--dataset", str(prompts), "--block-sizes", str(B_TRAIN),
-            "--baselines", "ar,hf-ar,hf-dflash", "--max-new-tokens", "8", "--warmup", "0", "--out", str(out),
+            "--baselines", "ar,ar-1row,hf-ar,hf-dflash", "--max-new-tokens", "8", "--warmup", "0", "--out", str(out),
             "--no-progress"]
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["sources"]["target_dir"] == str(engine / "target")
     assert results["sources"]["drafter_dir"] == str(engine / "drafter")
-    assert results["systems"] == ["ar", f"bp-b{B_TRAIN}", "hf-ar", "hf-dflash"] and results["errors"] == []
+    assert results["systems"] == ["ar", f"bp-b{B_TRAIN}", "ar-1row", "hf-ar", "hf-dflash"] and results["errors"] == []
+    one_row = [r for r in results["rows"] if r["system"] == "ar-1row"]
+    assert len(one_row) == len(PROMPTS) and all(r["kind"] == "ar-1row" and r["tau"] == 1.0 for r in one_row)
 
 
 class OffByOneSystem(RunnerSystem):

@@ -42,7 +42,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--oracle-by", default="tau", choices=("tau", "time"), help="oracle picks the best sweep size by")
     p.add_argument("--temperature", default="0", help="comma list of temperatures, e.g. 0,1")
     p.add_argument("--baselines", default=BASELINES,
-                   help="comma list of ar, hf-ar, hf-dflash, hf-prompt-lookup; ar is always run")
+                   help="comma list of ar, ar-1row (plain decoding without the padding row: the fastest, "
+                        "rounds unlike verify steps), hf-ar, hf-dflash, hf-prompt-lookup; ar is always run")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request")
     p.add_argument("--warmup", type=int, default=1, help="requests per system run before measuring")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (one per prompt, derived from it)")

@@ -17,6 +17,9 @@ from blockpilot.profiling.systems import Measurement, System
 from blockpilot.profiling.workload import Request
 
 REFERENCE = "ar"
+ROUNDS_OTHERWISE = {"ar-1row"}
+"""Plain decoding that rounds unlike every verify step by design (a speed baseline): its T = 0 output
+may differ from the reference's at a near-tie, which is not an error."""
 """The system every other is compared with: our runner at block size 1."""
 
 
@@ -118,12 +121,13 @@ def greedy_mismatches(rows: list[dict], reference: str = REFERENCE) -> list[dict
     """Every T = 0 row whose output differs from the reference system's on the same request.
 
     Returns:
-        One error dict per mismatch: system, dataset, prompt id, where the outputs first differ,
+        One error dict per mismatch (systems in `ROUNDS_OTHERWISE` are not checked): system, dataset,
+        prompt id, where the outputs first differ,
         both lengths and both tokens there (None past an end), and `same_as`: the other systems
         whose output on that request is identical to this one's (e.g. every transformers system
         agreeing with each other points at numerics of the two implementations, not at a method).
     """
-    greedy = [r for r in rows if r["temperature"] == 0]
+    greedy = [r for r in rows if r["temperature"] == 0 and r["system"] not in ROUNDS_OTHERWISE]
     expected = {(r["dataset"], r["prompt_id"]): r["output_ids"] for r in greedy if r["system"] == reference}
     errors = []
     for row in greedy:

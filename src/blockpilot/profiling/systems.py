@@ -123,6 +123,17 @@ class Models:
         return self._runner
 
     @functools.cached_property
+    def one_row_runner(self):
+        """Plain decoding on the runner's models at one row per step (`one_row_plain`), reading `clock`."""
+        from blockpilot.runtime.runner import Runner
+
+        runner = self.runner
+        if not hasattr(runner.backend, "one_row_plain"):
+            raise UserError(f"baseline ar-1row needs the onnxruntime or torch backend, not {runner.backend.name}; "
+                            "drop ar-1row")
+        return Runner(runner.backend.one_row_plain(), end_id=runner.end_id, clock=self.clock)
+
+    @functools.cached_property
     def hf_target(self):
         from transformers import AutoModelForCausalLM
 
@@ -150,17 +161,21 @@ class Models:
 
 
 class RunnerSystem:
-    """Our `Runner.generate` at one block size (int) or "auto" (the runner's predictor)."""
+    """Our `Runner.generate` at one block size (int) or "auto" (the runner's predictor); with
+    `one_row`, plain decoding without padding rows (`Models.one_row_runner`)."""
 
-    def __init__(self, name: str, models: Models, block_size: int | str):
-        self.name, self.models, self.block_size = name, models, block_size
-        self.kind = "ar" if block_size == 1 else "bp"
+    def __init__(self, name: str, models: Models, block_size: int | str, one_row: bool = False):
+        self.name, self.models, self.block_size, self.one_row = name, models, block_size, one_row
+        self.kind = name if one_row else ("ar" if block_size == 1 else "bp")
+
+    def _runner(self):
+        return self.models.one_row_runner if self.one_row else self.models.runner
 
     def prepare(self) -> None:
-        self.models.runner  # noqa: B018 (loads it)
+        self._runner()
 
     def generate(self, request: Request, temperature: float, seed: int, max_new_tokens: int) -> Measurement:
-        runner, n = self.models.runner, len(request.input_ids)
+        runner, n = self._runner(), len(request.input_ids)
         with RequestTimer(self.models.clock, self.models.sources.device) as timer:
             out = runner.generate([torch.tensor(request.input_ids)], max_new_tokens=max_new_tokens,
                                   temperature=temperature, random_seed=seed, block_size=self.block_size,
@@ -304,9 +319,14 @@ def _hf_prompt_lookup(models: Models) -> System:
 
 
 def default_registry() -> SystemRegistry:
-    """The baselines `--baselines` accepts: ar, hf-ar, hf-dflash, hf-prompt-lookup."""
+    """The baselines `--baselines` accepts: ar, ar-1row, hf-ar, hf-dflash, hf-prompt-lookup.
+
+    ar-1row is our plain decoding without the padding rows that make `ar` round like every verify step
+    (onnxruntime: 1 row instead of 2; torch bf16: its own row instead of the fixed shape): the fastest
+    plain decoding of the backend, whose T = 0 output may differ from `ar`'s at a near-tie."""
     registry = SystemRegistry()
     registry.add("ar", lambda models: RunnerSystem("ar", models, 1))
+    registry.add("ar-1row", lambda models: RunnerSystem("ar-1row", models, 1, one_row=True))
     registry.add("hf-ar", _hf_ar)
     registry.add("hf-dflash", _hf_dflash)
     registry.add("hf-prompt-lookup", _hf_prompt_lookup)

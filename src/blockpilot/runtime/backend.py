@@ -11,6 +11,7 @@ Shapes: `B` batch, `P` prompt length, `K` block size, `V` vocabulary, `H` hidden
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Protocol
 
@@ -168,6 +169,14 @@ class TorchBackend:
 
     def supports_block_size(self, block_size: int) -> bool:
         return 1 <= block_size <= self.max_block_size
+
+    def one_row_plain(self) -> "TorchBackend":
+        """A copy (same models) whose steps run only their own rows over the positions so far, not the
+        fixed shape: the fastest plain decoding, which may round unlike the verify steps; a baseline only."""
+        one = copy.copy(self)
+        one.fixed_rows, one.pad_rows = None, 0
+        one.max_capacity = self.max_capacity + self.pad_rows
+        return one
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:
         target_cache = KVCache.allocate(self.target_config, batch, capacity + self.pad_rows, self.dtype, self.device)

@@ -10,6 +10,7 @@ are exactly as large as it needs. Graph contracts: `blockpilot.builder.export`.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +125,14 @@ class OnnxBackend:
 
     def supports_block_size(self, block_size: int) -> bool:
         return block_size == 1 or block_size in self.manifest.block_sizes
+
+    def one_row_plain(self) -> "OnnxBackend":
+        """A copy (same sessions) whose plain decoding steps run one row, without the padding row: the
+        fastest plain decoding, which rounds unlike every verify step (see `min_rows`); a baseline only."""
+        one = copy.copy(self)
+        one.min_rows = 1
+        one.max_capacity = self.manifest.max_seq_len
+        return one
 
     def _zeros(self, config: DecoderConfig, batch: int, capacity: int, count: int) -> list:
         import onnxruntime as ort
