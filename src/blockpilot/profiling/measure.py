@@ -17,10 +17,10 @@ from blockpilot.profiling.systems import Measurement, System
 from blockpilot.profiling.workload import Request
 
 REFERENCE = "ar"
+"""The system every other is compared with: our runner at block size 1."""
 ROUNDS_OTHERWISE = {"ar-1row"}
 """Plain decoding that rounds unlike every verify step by design (a speed baseline): its T = 0 output
 may differ from the reference's at a near-tie, which is not an error."""
-"""The system every other is compared with: our runner at block size 1."""
 
 
 @dataclasses.dataclass
