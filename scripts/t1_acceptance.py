@@ -11,7 +11,8 @@ drawn in each answer, and an approximate tau `1 + sum_k prod_{j<=k} a_j` over th
 k is conditioned on the true prefix, as in the anchored simulated tau). `max p` is the ceiling of any
 deterministic draft.
 
-    python scripts/t1_acceptance.py --temperature 1 [--drafter DIR] [--per-set 24]
+    python scripts/t1_acceptance.py --temperature 1 [--drafter DIR] [--per-set 12]
+    python scripts/t1_acceptance.py --temperature 1 --answers draws-t1.jsonl [--answers ...]   # sampled contexts
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from blockpilot.assets.smollm2 import smollm2_dir
 from blockpilot.models.checkpoint import load_drafter, load_target
 from blockpilot.models.decoder import KVCache
 from blockpilot.text import load_tokenizer
-from blockpilot.training.data import tokenize_rows
+from blockpilot.training.data import read_answer_rows, tokenize_rows
 from blockpilot.training.features import extract_taps
 from blockpilot.training.objective import Batch, DraftHead, block_forward
 
@@ -47,15 +48,20 @@ def main() -> None:
     ap.add_argument("--draft-temperatures", default="0.5,0.75,1,1.25,1.5,2")
     ap.add_argument("--per-set", type=int, default=12, help="prompts per answer file (ShareGPT: twice)")
     ap.add_argument("--anchors", type=int, default=24, help="anchors per answer")
+    ap.add_argument("--answers", type=Path, action="append", default=[],
+                    help="answers JSONL (e.g. the target's own draws at T, `blockpilot answer --temperature`) "
+                         "instead of the greedy answers in data/; repeatable")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target_dir = smollm2_dir()
     target, drafter = load_target(target_dir), load_drafter(args.drafter or default_drafter_dir())
     rows = []
-    for name, share in SETS:
+    for name, share in ([] if args.answers else SETS):
         with gzip.open(ROOT / "data" / name, "rt") as f:
             rows += [json.loads(line) for _, line in zip(range(args.per_set * share), f)]
+    for path in args.answers:
+        rows += read_answer_rows(path)[: args.per_set]
     sequences = tokenize_rows(rows, load_tokenizer(target_dir), 384)
     bsz, temps = drafter.config.block_size, [float(t) for t in args.draft_temperatures.split(",")]
     head = DraftHead.of(drafter, target.lm_head.weight)

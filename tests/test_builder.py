@@ -114,8 +114,10 @@ def test_drafter_graph_equals_torch_backend_at_every_profile_shape(built):
             state = DecodeState(None, _caches(feed, past), feed[past[0]].shape[2])
             expected = reference.draft(
                 state, torch.from_numpy(feed["last_token"][:, 0]), torch.from_numpy(feed["context_taps"]),
-                int(feed["context_positions"][0, 0]), int(feed["block_positions"][0, 0]), profile.block_size)
-            assert outputs["draft_ids"].tolist() == expected.tolist(), what
+                int(feed["context_positions"][0, 0]), int(feed["block_positions"][0, 0]), profile.block_size,
+                with_logits=True)
+            assert outputs["draft_ids"].tolist() == expected.ids.tolist(), what
+            _close(outputs["draft_logits"], expected.logits, f"{what}: draft logits")  # sampled drafts' proposal
             _check_caches(outputs, state.drafter_cache, present, what)
 
 

@@ -177,16 +177,19 @@ def test_throughput_labels_use_the_given_step_cost_table_and_the_predictor_recor
     assert info.candidates == (1, 4)
 
 
-def test_sampled_replay_accepts_as_speculative_sampling_does(models, tmp_path):
+@pytest.mark.parametrize("sampled_drafts", [True, False], ids=["drafts-drawn", "greedy-drafts"])
+def test_sampled_replay_accepts_as_speculative_sampling_does(models, tmp_path, sampled_drafts):
     """At T > 0, replaying answers drawn by plain sampling gives the number of verify steps that
     speculative sampling takes, in distribution (mean within 4 standard errors, over 160 draws each),
-    and differs from the greedy replay (the check can tell the two apart)."""
+    and differs from the greedy replay (the check can tell the two apart); with drafts drawn from the
+    drafter (rejection sampling) and with greedy drafts ("sample, then match")."""
     from blockpilot.text import chat_prompt_ids, load_tokenizer
 
     _, target, drafter, _ = models
     temperature, draws, block = 0.5, 160, 4
     ids = torch.tensor(chat_prompt_ids(load_tokenizer(target), PROMPTS[0]))
     runner = Runner.from_dir(target, drafter_dir=drafter)
+    runner.sampled_drafts = sampled_drafts
     common = dict(max_new_tokens=MAX_NEW, temperature=temperature, return_dict=True)  # the runner's end id
     decoded = runner.generate([ids] * draws, block_size=block, random_seed=0, **common)
     decoded_steps = torch.tensor([len(steps) for steps in decoded["accept_lengths"]], dtype=torch.float64)
@@ -196,7 +199,7 @@ def test_sampled_replay_accepts_as_speculative_sampling_does(models, tmp_path):
              "top_k": 0, "top_p": 1.0, "seed": 10_000 + i} for i, a in enumerate(answers)]
     assert len({tuple(a) for a in answers}) > draws // 2  # real draws, not one answer repeated
     job = dict(target=target, drafter=drafter, max_new_tokens=MAX_NEW, progress=False, clock="cpu",
-               candidates=(1, block), calibration_prompts=1, calibration_reps=1)
+               candidates=(1, block), calibration_prompts=1, calibration_reps=1, sampled_drafts=sampled_drafts)
     run_label_job(LabelJob(prompts=None, replay_answers=_write_jsonl(tmp_path / "drawn.jsonl", rows),
                            out=tmp_path / "sampled", temperature=temperature, **job))
     replayed = load_label_dataset(tmp_path / "sampled")

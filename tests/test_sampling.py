@@ -15,7 +15,9 @@ from blockpilot.runtime.sampling import (
     SamplingParams,
     accepted_draft_counts,
     committed_tokens,
+    draft_distribution,
     logits_to_probs,
+    rejection_sample_block,
     sample_tokens,
 )
 
@@ -172,6 +174,7 @@ class LookupDraftBackend(TorchBackend):
     def __init__(self, target, drafter, tables: dict[int, dict[int, list[int]]], fixed_shape: bool = False):
         super().__init__(target, drafter, fixed_shape=fixed_shape)
         self.tables = tables
+        self.draft_logits = False  # greedy drafts only: the runtime accepts by "sample, then match"
 
     def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size):
         proposal = self.tables.get(block_start, {}).get(int(last_tokens[0]), [0])
@@ -295,6 +298,8 @@ def biased_first_tokens(backend, block_size: int, generator: torch.Generator) ->
 class LookupDraftOnnxBackend:
     """The onnxruntime backend of an engine dir with `LookupDraftBackend`'s drafts."""
 
+    draft_logits = False
+
     def __init__(self, inner, tables):
         self.inner, self.tables = inner, tables
 
@@ -365,3 +370,118 @@ def test_categorical_draws_follow_each_rows_probabilities_and_never_a_zero_one()
     assert chi2 < 20  # 4 degrees of freedom: P(chi2 > 20) < 0.001
     again = torch.stack([draw_categorical(probs, torch.Generator().manual_seed(1)) for _ in range(3)])
     assert torch.equal(again[0], draws[0]) and torch.equal(again[0], again[2])  # the seed fixes the draw
+
+
+# ------------------------------------------------------------------ rejection sampling (drafts drawn from q)
+
+def test_rejection_sampling_commits_tokens_distributed_as_the_target_and_accepts_sum_min_p_q():
+    """One slot, exactly: the committed token follows p (accepted drafts and residual draws together),
+    and the draft survives with probability sum_x min(p(x), q(x)); q lives on a draft vocabulary
+    that misses some ids of p."""
+    p = torch.tensor([[0.05, 0.30, 0.10, 0.25, 0.20, 0.10], [1 / 6] * 6], dtype=torch.float64)  # (K=2, V=6)
+    vocab_ids = torch.tensor([1, 2, 3, 5])  # ids 0 and 4 can never be drafted
+    q = torch.tensor([[0.55, 0.05, 0.20, 0.20]], dtype=torch.float64)  # (K-1=1, N=4)
+    generator = torch.Generator().manual_seed(0)
+    n, counts, accepted = 20000, torch.zeros(6), 0
+    for _ in range(n):
+        column = torch.multinomial(q[0], 1, generator=generator)
+        tokens, a = rejection_sample_block(column, q, vocab_ids, p, generator)
+        assert len(tokens) == a + 1 and (a == 0 or tokens[0] == int(vocab_ids[column]))
+        counts[tokens[0]] += 1
+        accepted += a
+    stat, df = chi2_statistic(counts, p[0])
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f}"
+    expected = float(torch.minimum(p[0, vocab_ids], q[0]).sum())  # 0.30 + 0.05 + 0.20 + 0.10 = 0.65
+    assert abs(accepted / n - expected) < 4 * math.sqrt(expected * (1 - expected) / n)
+
+
+def test_rejection_sampling_with_q_equal_to_p_accepts_every_draft_and_draws_the_bonus():
+    p = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.5, 0.5]], dtype=torch.float64)  # (K=3, V=2)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        columns = torch.multinomial(p[:2], 1, generator=generator)[:, 0]
+        tokens, a = rejection_sample_block(columns, p[:2], None, p, generator)
+        assert a == 2 and tokens[:2] == columns.tolist()
+
+
+def test_the_draft_distribution_is_the_softmax_of_the_logits_at_the_requests_temperature():
+    logits = torch.tensor([[1.0, 2.0, 0.5]])
+    assert torch.allclose(draft_distribution(logits, 0.5), torch.softmax(logits.double() / 0.5, -1))
+
+
+class CountingDraftBackend(TorchBackend):
+    """The tiny target and drafter as they are (drafts from the drafter's own logits), counting how
+    often the decode loop asked for them."""
+
+    calls_with_logits = 0
+
+    def draft(self, *args, with_logits=False, **kwargs):
+        self.calls_with_logits += with_logits
+        return super().draft(*args, with_logits=with_logits, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def drafting_paths(tmp_path_factory):
+    """Backends whose drafter returns its logits, so that T = 1 drafts are drawn from it: torch fp32,
+    torch bf16 (fixed shape) and onnxruntime fp32 (an engine dir, whose drafter graph outputs them)."""
+    from blockpilot.builder.engine_dir import BuildSpec, build_engine_dir
+    from blockpilot.models.checkpoint import load_drafter, load_target
+    from blockpilot.runtime.engine_dir import open_engine_dir
+
+    tmp = tmp_path_factory.mktemp("tiny-vocab-drafting")
+    target = make_hf_target(tmp, "llama", vocab_size=VOCAB)
+    drafter = make_drafter(tmp, target, block_size=8)
+    build_engine_dir(BuildSpec(target, drafter, tmp / "engine", (2, 4, 8), 32))
+    return {
+        "torch-fp32": CountingDraftBackend(load_target(target), load_drafter(drafter)),
+        "torch-bf16": CountingDraftBackend(load_target(target, dtype=torch.bfloat16),
+                                           load_drafter(drafter, dtype=torch.bfloat16), fixed_shape=True),
+        "onnxruntime-fp32": open_engine_dir(tmp / "engine", backend="onnxruntime").backend,
+    }
+
+
+@pytest.mark.parametrize("path", ["torch-fp32", "torch-bf16", "onnxruntime-fp32"])
+@pytest.mark.parametrize("block_size", [2, 8])
+def test_drafts_drawn_from_the_drafter_keep_the_target_distribution_on_every_path(drafting_paths, path, block_size):
+    backend = drafting_paths[path]
+    assert backend.draft_logits
+    joint = backend_joint(backend)
+    counts, accept_lengths = runner_first_tokens(backend, block_size, seed=30 + block_size)
+    stat, df = chi2_statistic(counts, joint)
+    assert stat < chi2_critical(df), f"{path}: chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+    assert sum(a >= 2 for a in accept_lengths) > N_SAMPLES // 10  # sampled drafts were accepted
+    if isinstance(backend, CountingDraftBackend):
+        assert backend.calls_with_logits > 0
+    wrong, _ = runner_first_tokens(backend, block_size, temperature=0.7, seed=40 + block_size)
+    assert chi2_statistic(wrong, joint)[0] > chi2_critical(df)  # and the test can tell
+
+
+def test_sampled_drafts_accept_more_than_greedy_drafts_on_the_same_model(drafting_paths):
+    """The reason for rejection sampling: with the same drafter, a slot survives with probability
+    sum min(p, q) instead of p(argmax q)."""
+    backend = drafting_paths["torch-fp32"]
+    runner = Runner(backend)
+    taus = {}
+    for sampled in (True, False):
+        runner.sampled_drafts = sampled
+        out = runner.generate([torch.tensor(PROMPT)] * 64, max_new_tokens=24, end_id=-1, temperature=1.0,
+                              random_seed=7, block_size=4, return_dict=True)
+        lengths = [a for row in out["accept_lengths"] for a in row]
+        taus[sampled] = sum(lengths) / len(lengths)
+    assert taus[True] > taus[False], taus
+
+
+def test_greedy_requests_keep_greedy_drafts_when_batched_with_sampled_ones(drafting_paths):
+    backend = drafting_paths["onnxruntime-fp32"]
+    from blockpilot.runtime.batching import BatchDecoder, GenerationRequest
+
+    alone = Runner(backend).generate([torch.tensor(PROMPT)], max_new_tokens=12, end_id=-1, block_size=4,
+                                     return_dict=True)["output_ids"][0, 0, len(PROMPT):].tolist()
+    decoder = BatchDecoder(Runner(backend), max_batch=4)
+    ids = [decoder.add(GenerationRequest(PROMPT, 12, temperature=t, seed=3, block_size=4, end_id=-1))
+           for t in (0.0, 1.0, 0.0)]
+    tokens = {i: [] for i in ids}
+    while decoder:
+        for event in decoder.step():
+            tokens[event.request_id] += event.new_tokens
+    assert tokens[ids[0]] == alone and tokens[ids[2]] == alone

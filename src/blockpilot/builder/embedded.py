@@ -22,9 +22,9 @@ from pathlib import Path
 
 from blockpilot.errors import UserError
 
-EXPORT_VERSION = 4
+EXPORT_VERSION = 5
 """Bump when the exported graphs change (fused projections, RMSNormalization: 2; per-row positions: 3;
-the 4-bit drafter for onnxruntime: 4)."""
+the 4-bit drafter for onnxruntime: 4; the drafter's logits as a second output: 5)."""
 
 BLOCK_SIZES = tuple(range(2, 17))  # every size up to 2 x B_train of the shipped drafter
 MAX_SEQ_LEN = 2048

@@ -20,7 +20,9 @@ initializers, and maps the argmax back to target ids, so its outputs are the sam
              context_positions (b, n) int64 (contiguous in each row; n >= 1: the decode loop always
              commits at least one token), context_length (b, 1) int64,
              past_key_i / past_value_i (b, nkv, cap, hd) of the drafter's context cache
-    outputs  draft_ids (b, K - 1) int64 (greedy, block slots 1..K-1), present_key_i / present_value_i
+    outputs  draft_ids (b, K - 1) int64 (greedy, block slots 1..K-1), draft_logits (b, K - 1, N) float (the
+             logits those argmaxes came from, over the N draft-vocabulary rows: the proposal that sampled
+             requests draw their drafts from), present_key_i / present_value_i
 The block `[last_token, MASK x (K - 1)]` of row r sees cache indices < context_length[r] and itself.
 Rows are independent: one call can carry requests at different positions (a batch).
 
@@ -38,14 +40,14 @@ import torch
 from torch import nn
 
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter, greedy_draft_tokens
+from blockpilot.models.dflash import DFlashDrafter, draft_logits
 from blockpilot.models.layers import rope_for_heads, write_cache
 
 SUPPORTED_OPSETS = (18, 24)
 TARGET_INPUTS = ("input_ids", "positions", "logits_index")
 TARGET_OUTPUTS = ("logits", "taps", "hidden")
 DRAFTER_INPUTS = ("last_token", "block_positions", "context_taps", "context_positions", "context_length")
-DRAFTER_OUTPUTS = ("draft_ids",)
+DRAFTER_OUTPUTS = ("draft_ids", "draft_logits")
 
 
 def cache_names(num_layers: int, prefix: str) -> list[str]:
@@ -108,7 +110,7 @@ class TargetGraph(nn.Module):
 
 class DrafterGraph(nn.Module):
     """Flat-signature drafter: `(last_token, block_positions, context_taps, context_positions,
-    context_length, *past) -> (draft_ids, *present)`; mirrors `DFlashDrafter.forward` with the
+    context_length, *past) -> (draft_ids, draft_logits, *present)`; mirrors `DFlashDrafter.forward` with the
     cache slice replaced by a mask over the full capacity."""
 
     def __init__(self, target: Decoder, drafter: DFlashDrafter):
@@ -140,8 +142,10 @@ class DrafterGraph(nn.Module):
             x = layer(x, k_ctx, v_ctx, block_rope, mask)
             present += [k_ctx, v_ctx]
         head = self.lm_head.weight if self.draft_head is None else self.draft_head
-        draft_ids = greedy_draft_tokens(d.norm(x)[:, 1:], head, d.draft_vocab_ids)  # (b, K - 1) target ids
-        return (draft_ids, *present)
+        logits = draft_logits(d.norm(x)[:, 1:], head)  # (b, K - 1, N)
+        best = logits.argmax(-1)
+        draft_ids = best if d.draft_vocab_ids is None else d.draft_vocab_ids[best]  # (b, K - 1) target ids
+        return (draft_ids, logits, *present)
 
 
 def _check_cache_axis(dim: int) -> None:

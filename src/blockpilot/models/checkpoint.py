@@ -58,6 +58,20 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], model_dir: 
     module.load_state_dict(state, assign=True)
 
 
+def read_draft_vocab_ids(model_dir: Path | str) -> torch.Tensor | None:
+    """A drafter directory's `draft_vocab_ids` `(N,)` (None without one), read alone (no other tensor is loaded)."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt") as f:
+                if DRAFT_VOCAB_KEY in f.keys():
+                    return f.get_tensor(DRAFT_VOCAB_KEY)
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{path} is corrupt or unreadable ({exc}); restore or re-download it") from None
+    return None
+
+
 def load_target(model_dir: Path | str, dtype=torch.float32, max_positions: int | None = None) -> Decoder:
     """A `Decoder` from a Hugging Face Llama/Qwen2/Qwen3 directory (config.json + safetensors)."""
     model_dir = Path(model_dir)

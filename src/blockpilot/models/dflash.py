@@ -154,9 +154,13 @@ def greedy_draft_tokens(hidden: torch.Tensor, head_weight: torch.Tensor | nn.Mod
     Returns:
         `(...)` int64 target token ids.
     """
-    logits = head_weight(hidden) if isinstance(head_weight, nn.Module) else nn.functional.linear(hidden, head_weight)
-    best = logits.argmax(-1)  # (...) row of head_weight
+    best = draft_logits(hidden, head_weight).argmax(-1)  # (...) row of head_weight
     return best if vocab_ids is None else vocab_ids[best]
+
+
+def draft_logits(hidden: torch.Tensor, head_weight: torch.Tensor | nn.Module) -> torch.Tensor:
+    """`(..., N)` drafter logits over the rows of `head_weight` (see `greedy_draft_tokens`)."""
+    return head_weight(hidden) if isinstance(head_weight, nn.Module) else nn.functional.linear(hidden, head_weight)
 
 
 def check_draft_vocab_ids(ids: torch.Tensor, vocab_size: int, source: str = "draft vocabulary") -> None:

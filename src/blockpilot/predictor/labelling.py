@@ -51,6 +51,7 @@ class LabelJob:
     calibration_reps: int = 5
     note: str = ""  # free text kept in meta.json (e.g. where the prompts come from)
     step_costs: Path | None = None  # engine dir (its manifest's table) or StepCosts JSON; None: measure here
+    sampled_drafts: bool = True  # T > 0: drafts drawn from the drafter, rejection sampling (False: greedy drafts)
 
 
 def default_candidates(b_train: int, radius: int = 2) -> tuple[int, ...]:
@@ -242,7 +243,8 @@ def _settings(job: LabelJob, backend) -> LabelSettings:
     if job.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1 (got {job.max_new_tokens})")
     return LabelSettings(candidates=tuple(candidates), b_train=b_train, temperature=job.temperature,
-                         top_k=job.top_k, top_p=job.top_p, max_new_tokens=job.max_new_tokens, seed=job.seed)
+                         top_k=job.top_k, top_p=job.top_p, max_new_tokens=job.max_new_tokens, seed=job.seed,
+                         sampled_drafts=job.sampled_drafts)
 
 
 def _encode_todo(prompts, done: set[str], tokenizer, chat_template: bool, settings: LabelSettings, backend):

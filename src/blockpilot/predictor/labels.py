@@ -59,7 +59,7 @@ PARTS = "parts"
 # meta.json fields that must agree for a resumed run to append to the same dataset
 RESUME_KEYS = ("format", "version", "target_sha256", "drafter_sha256", "candidates", "b_train", "temperature",
                "top_k", "top_p", "max_new_tokens", "backend", "dtype", "seed", "chat_template", "clock",
-               "step_time_source")
+               "step_time_source", "sampled_drafts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,8 @@ class LabelSettings:
     top_p: float = 1.0
     max_new_tokens: int = 128
     seed: int = 0
+    sampled_drafts: bool = True
+    """At T > 0: drafts drawn from the drafter and accepted by rejection sampling (`Runner.sampled_drafts`)."""
 
 
 # ---------------------------------------------------------------- label math (pure tensor functions)
@@ -285,6 +287,7 @@ def label_prompt(runner, input_ids: list[int], settings: LabelSettings, seed: in
         Row tensors with a leading dimension of 1 (see module docstring).
     """
     row = prefill_row(runner.backend, input_ids)
+    runner.sampled_drafts = settings.sampled_drafts
     k = len(settings.candidates)
     counts = {key: torch.zeros(1, k, dtype=torch.int64) for key in ("steps", "accepted", "new_tokens")}
     times = {key: torch.zeros(1, k, dtype=torch.float64) for key in ("draft_s", "verify_s")}

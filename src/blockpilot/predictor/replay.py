@@ -41,8 +41,8 @@ import torch
 
 from blockpilot.errors import UserError
 from blockpilot.models.decoder import KVCache
-from blockpilot.runtime.sampling import SamplingParams, sample_tokens
-from blockpilot.training.evaluate import replay_block_sizes
+from blockpilot.runtime.sampling import SamplingParams, logits_to_probs, sample_tokens
+from blockpilot.training.evaluate import SampledReplay, replay_block_sizes
 from blockpilot.predictor.labels import PARTS, LabelSettings, consolidate, prefill_row, save_rows_atomic
 
 CALIBRATION_NEW_TAPS = 3  # newly committed positions fed to each timed draft call (a typical step's tau)
@@ -121,8 +121,8 @@ def tokens_needed(continuation: list[int], settings: LabelSettings, end_id: int 
 
 @torch.inference_mode()
 def continuation(target, prompt_ids: list[int], hint: list[int], settings: LabelSettings,
-                 end_id: int | None, tap_layers,
-                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor, int]:
+                 end_id: int | None, tap_layers, generator: torch.Generator | None = None,
+                 token_probs: list[float] | None = None) -> tuple[list[int], torch.Tensor, int]:
     """The target's continuation of `prompt_ids`, as long as the replay needs it, with its taps.
 
     At T = 0 (`settings.temperature`) the greedy continuation: one teacher-forced pass over prompt +
@@ -139,6 +139,8 @@ def continuation(target, prompt_ids: list[int], hint: list[int], settings: Label
         end_id: the runtime's end id (None: stop only at the budget).
         tap_layers: the drafter's `target_layer_ids`.
         generator: the draws past the hint (T > 0).
+        token_probs: at T > 0, filled with `p(y[i] | prompt + y[:i])` under the settings' sampling (what
+            the replay of sampled drafts needs).
 
     Returns:
         The continuation `y` (index 0 is the token prefill commits), the taps `(1, P + len(y) - 1, tH)`
@@ -159,13 +161,18 @@ def continuation(target, prompt_ids: list[int], hint: list[int], settings: Label
         agree = len(hint)
     y = hint[:agree] + [int(sample_tokens(logits[agree], params, generator))]
     taps = [out.taps[:, :p + agree]]  # taps of prompt + y[:-1]
+    rows = [logits[: agree + 1]]  # row i: the target's logits for y[i]
     while len(y) < tokens_needed(y, settings, end_id)[1]:
         position = p + len(y) - 1  # feed y[-1]; the cache is right for every position before it
         out = target(target.embed_tokens(torch.tensor([[y[-1]]])), torch.tensor([position]), cache, position + 1,
                      tap_layers)
-        y.append(int(sample_tokens(target.lm_head(out.hidden[0, -1]), params, generator)))
+        rows.append(target.lm_head(out.hidden[0, -1:]))
+        y.append(int(sample_tokens(rows[-1][0], params, generator)))
         taps.append(out.taps)
     n = tokens_needed(y, settings, end_id)[1]
+    if token_probs is not None and not params.greedy:  # p(y[i] | prompt + y[:i]) at the labels' sampling
+        probs = logits_to_probs(torch.cat(rows)[:n], params)  # (n, V)
+        token_probs[:] = probs.gather(1, torch.tensor(y[:n])[:, None])[:, 0].double().tolist()
     return y[:n], torch.cat(taps, dim=1)[:, :p + n - 1], len(y) - agree - 1
 
 
@@ -194,10 +201,18 @@ def replay_row(backend, input_ids: list[int], hint: list[int], settings: LabelSe
     """
     target, drafter, p = backend.target, backend.drafter, len(input_ids)
     row = prefill_row(backend, input_ids)
-    y, taps, _ = continuation(target, input_ids, hint, settings, end_id, drafter.config.target_layer_ids, generator)
+    token_probs: list[float] = []
+    y, taps, _ = continuation(target, input_ids, hint, settings, end_id, drafter.config.target_layer_ids, generator,
+                              token_probs)
     s, _ = tokens_needed(y, settings, end_id)
     k = len(settings.candidates)
-    lengths = _replay_lengths(target, drafter, input_ids + y, p, settings.candidates, taps, stop_at=p + s)
+    sampled = None
+    if settings.temperature > 0 and settings.sampled_drafts:
+        uniform = torch.rand(len(y), generator=generator, dtype=torch.float64)  # one per token, shared by candidates
+        sampled = SampledReplay(settings.temperature, torch.tensor([0.0] * p + token_probs, dtype=torch.float64),
+                                torch.cat((torch.zeros(p, dtype=torch.float64), uniform)))
+    lengths = _replay_lengths(target, drafter, input_ids + y, p, settings.candidates, taps, stop_at=p + s,
+                              sampled=sampled)
     steps = torch.tensor([[len(steps) for steps in lengths]], dtype=torch.int64)
     accepted = torch.tensor([[sum(steps) for steps in lengths]], dtype=torch.int64)
     draft_one = torch.tensor([[step_times["draft_s"][str(c)] for c in settings.candidates]], dtype=torch.float64)
@@ -208,11 +223,13 @@ def replay_row(backend, input_ids: list[int], hint: list[int], settings: LabelSe
             **times, "tau": accepted.double() / per_step, "step_s": (times["draft_s"] + times["verify_s"]) / per_step}
 
 
-def _replay_lengths(target, drafter, ids: list[int], p: int, candidates, taps, stop_at: int) -> list[list[int]]:
+def _replay_lengths(target, drafter, ids: list[int], p: int, candidates, taps, stop_at: int,
+                    sampled: "SampledReplay | None" = None) -> list[list[int]]:
     """`replay_block_sizes` for every candidate; block size 1 (plain decoding) commits one token a step
     and needs no drafter pass."""
     drafted = [c for c in candidates if c > 1]
-    runs = iter(replay_block_sizes(target, drafter, ids, p, drafted, taps, stop_at=stop_at) if drafted else [])
+    runs = iter(replay_block_sizes(target, drafter, ids, p, drafted, taps, stop_at=stop_at, sampled=sampled)
+                if drafted else [])
     plain = [1] * (min(stop_at, len(ids) - 1) - p)
     return [plain if c == 1 else next(runs) for c in candidates]
 

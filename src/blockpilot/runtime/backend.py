@@ -19,7 +19,7 @@ import torch
 
 from blockpilot.models.config import DecoderConfig, DrafterConfig
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter, greedy_draft_tokens
+from blockpilot.models.dflash import DFlashDrafter, draft_logits, greedy_draft_tokens
 from blockpilot.models.packed import PackedLinear, can_pack, pack_linears
 
 
@@ -45,6 +45,12 @@ class VerifyOutput:
     taps: torch.Tensor  # (B, K, tH)
 
 
+@dataclasses.dataclass
+class DraftOutput:
+    ids: torch.Tensor  # (B, K - 1) greedy draft tokens (target ids)
+    logits: torch.Tensor  # (B, K - 1, N) drafter logits over the backend's `draft_vocab_ids` (all V ids: None)
+
+
 Starts = "int | torch.Tensor"
 """A start position for every row: one int for all rows, or a `(B,)` int64 tensor, one per row."""
 
@@ -57,6 +63,9 @@ class Backend(Protocol):
     max_batch: int  # most rows one draft / verify call may carry
     # optional `loop_threads: int`: torch threads for the decode loop's own ops while this backend
     # runs (a backend that computes outside torch sets 1; absent: torch's setting is left alone)
+    # optional `draft_logits: bool` (absent: False): `draft(..., with_logits=True)` also returns the
+    # drafter's logits (`DraftOutput`), over `draft_vocab_ids` `(N,)` (None: all V ids); the decode loop
+    # then draws T > 0 drafts from them and accepts by rejection sampling (`runtime.sampling`)
 
     def supports_block_size(self, block_size: int) -> bool: ...
 
@@ -75,8 +84,10 @@ class Backend(Protocol):
     def draft(
         self, state: DecodeState, last_tokens: torch.Tensor, new_taps: torch.Tensor,
         ctx_start: Starts, block_start: Starts, block_size: int, new_counts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Greedy draft tokens `(B, K - 1)` for block positions 1..K-1.
+        with_logits: bool = False,
+    ) -> "torch.Tensor | DraftOutput":
+        """Greedy draft tokens `(B, K - 1)` for block positions 1..K-1 (with `with_logits`, a
+        `DraftOutput` that also holds the drafter's logits; only where `draft_logits` is True).
 
         `new_taps` `(B, n, tH)` are the target hidden states of positions `ctx_start..ctx_start+n-1`,
         committed since the last call; `last_tokens` `(B,)` sits at `block_start`. When rows
@@ -158,6 +169,8 @@ class TorchBackend:
         self.device = target.embed_tokens.weight.device
         self.dtype = target.embed_tokens.weight.dtype
         self.draft_head = drafter.draft_head_weight(target.lm_head.weight) if drafter is not None else None  # (N, H)
+        self.draft_logits = drafter is not None
+        self.draft_vocab_ids = drafter.draft_vocab_ids if drafter is not None else None
         self.packed = can_pack(target.embed_tokens.weight) if pack_weights is None else pack_weights
         if self.packed:
             rows = self.fixed_rows or 16
@@ -213,7 +226,8 @@ class TorchBackend:
         return PrefillOutput(last_logits=t.lm_head(out.hidden[:, -1]), taps=taps, hidden=out.hidden)
 
     @torch.inference_mode()
-    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None):
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None,
+              with_logits=False):
         t, d = self.target, self.drafter
         b, n = new_taps.shape[:2]
         block = d.block_embeddings(
@@ -236,7 +250,11 @@ class TorchBackend:
                 state.drafter_cache,
                 kv_len=ctx_start + n,
             )
-        return greedy_draft_tokens(hidden[:, 1:], self.draft_head, d.draft_vocab_ids)  # (B, K - 1) target ids
+        if not with_logits:
+            return greedy_draft_tokens(hidden[:, 1:], self.draft_head, d.draft_vocab_ids)  # (B, K - 1) target ids
+        logits = draft_logits(hidden[:, 1:], self.draft_head)  # (B, K - 1, N)
+        best = logits.argmax(-1)
+        return DraftOutput(best if d.draft_vocab_ids is None else d.draft_vocab_ids[best], logits.float())
 
     @torch.inference_mode()
     def verify(self, state, block_ids, start):

@@ -30,7 +30,8 @@ import torch
 
 from blockpilot.errors import UserError
 from blockpilot.runtime.backend import DecodeState
-from blockpilot.runtime.sampling import SamplingParams, accepted_draft_counts, committed_tokens, sample_tokens
+from blockpilot.runtime.sampling import (SamplingParams, accepted_draft_counts, committed_tokens, draft_distribution,
+                                        draw_categorical, logits_to_probs, rejection_sample_block, sample_tokens)
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ class _Active:
     done: bool = False
     adaptive: bool = False  # the block size came from the predictor and may be revised downwards
     moving: bool = False  # leaving one group for another (its tokens are already reported)
+    proposal: tuple[torch.Tensor, torch.Tensor] | None = None  # sampled draft: (columns (K-1,), q (K-1, N))
 
 
 @dataclasses.dataclass
@@ -247,10 +249,18 @@ class BatchDecoder:
         elapsed = clock() - t0
         events, keep, moving = [], [], []
         for row, active in enumerate(members):
-            posterior = sample_tokens(verify.logits[row:row + 1], active.params, active.generator)  # (1, k)
-            accepted = accepted_draft_counts(draft[row:row + 1], posterior)  # (1,)
-            a = int(accepted[0])
-            tokens = committed_tokens(draft[row:row + 1], posterior, accepted)[0, : a + 1].tolist()
+            if active.proposal is not None:  # drawn from the drafter's distribution: rejection sampling
+                columns, q = active.proposal
+                active.proposal = None
+                probs = logits_to_probs(verify.logits[row], active.params)  # (k, V)
+                tokens, a = rejection_sample_block(columns, q, self.backend.draft_vocab_ids, probs, active.generator)
+                last = torch.tensor([tokens[-1]])
+            else:
+                posterior = sample_tokens(verify.logits[row:row + 1], active.params, active.generator)  # (1, k)
+                accepted = accepted_draft_counts(draft[row:row + 1], posterior)  # (1,)
+                a = int(accepted[0])
+                tokens = committed_tokens(draft[row:row + 1], posterior, accepted)[0, : a + 1].tolist()
+                last = posterior[:, a]
             active.result.verify_s += elapsed
             active.result.accept_lengths.append(a + 1)
             active.done = self._commit(active, tokens)
@@ -259,7 +269,7 @@ class BatchDecoder:
                 continue
             active.pending_taps = verify.taps[row:row + 1, : a + 1]
             active.pos += a + 1
-            active.last = posterior[:, a]
+            active.last = last
             if self._revise(active):
                 moving.append(row)
             else:
@@ -298,18 +308,37 @@ class BatchDecoder:
         for i, a in enumerate(members):
             taps[i, : counts[i]] = a.pending_taps[0]
         last = torch.cat([a.last for a in members])
+        sampled = self.runner.sampled_drafts and getattr(self.backend, "draft_logits", False) and any(
+            not a.params.greedy for a in members)
+        extra = {"with_logits": True} if sampled else {}
         if len(members) == 1:
             a = members[0]
-            draft = self.backend.draft(state, last, taps, a.ctx_start, a.pos, a.k)
+            draft = self.backend.draft(state, last, taps, a.ctx_start, a.pos, a.k, **extra)
         else:
             ctx = torch.tensor([a.ctx_start for a in members], dtype=torch.int64)
             pos = torch.tensor([a.pos for a in members], dtype=torch.int64)
             draft = self.backend.draft(state, last, taps, ctx, pos, members[0].k,
-                                       new_counts=torch.tensor(counts, dtype=torch.int64))
+                                       new_counts=torch.tensor(counts, dtype=torch.int64), **extra)
+        if sampled:
+            draft = self._sample_drafts(members, draft)
         for a, n in zip(members, counts):
             a.ctx_start += n
             a.pending_taps = a.pending_taps[:, :0]
         return draft
+
+    def _sample_drafts(self, members: list[_Active], out) -> torch.Tensor:
+        """Drafts `(B, K - 1)`: greedy for T = 0 rows, drawn from the drafter's distribution at the row's
+        temperature for the others (kept in `proposal` for their rejection-sampling step)."""
+        drafts = out.ids.clone()
+        vocab_ids = self.backend.draft_vocab_ids
+        for row, a in enumerate(members):
+            if a.params.greedy:
+                continue
+            q = draft_distribution(out.logits[row], a.params.temperature)  # (K - 1, N) float64
+            columns = draw_categorical(q, a.generator)  # (K - 1,)
+            a.proposal = (columns, q)
+            drafts[row] = (columns if vocab_ids is None else vocab_ids[columns]).to(drafts)
+        return drafts
 
     def _keep_rows(self, group: _Group, rows: list[int]) -> None:
         group.members = [group.members[i] for i in rows]

@@ -19,8 +19,9 @@ import torch
 from blockpilot.builder.manifest import GraphEntry, Manifest
 from blockpilot.errors import UserError
 from blockpilot.models.config import DecoderConfig, DrafterConfig
-from blockpilot.runtime.backend import (DecodeState, PrefillOutput, VerifyOutput, merge_tensor_caches, padded_block,
-                                        row_positions)
+from blockpilot.models.checkpoint import read_draft_vocab_ids
+from blockpilot.runtime.backend import (DecodeState, DraftOutput, PrefillOutput, VerifyOutput, merge_tensor_caches,
+                                        padded_block, row_positions)
 
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -104,9 +105,12 @@ class OnnxBackend:
     block size, at the cost of a 2-row step (`scripts/bench_steps.py` measured it equal to a 1-row step)."""
 
     def __init__(self, manifest: Manifest, target: OnnxGraph, drafter: OnnxGraph,
-                 target_config: DecoderConfig, drafter_config: DrafterConfig):
+                 target_config: DecoderConfig, drafter_config: DrafterConfig, draft_vocab_ids: torch.Tensor | None = None):
         self.manifest = manifest
         self.target, self.drafter = target, drafter
+        # graphs exported before the drafter graph had `draft_logits` (engine dirs of export version < 5) draft greedily
+        self.draft_logits = "draft_logits" in drafter.entry.outputs
+        self.draft_vocab_ids = draft_vocab_ids
         self.target_config, self.drafter_config = target_config, drafter_config
         self.max_capacity = manifest.max_seq_len - (self.min_rows - 1)
         self.max_batch = manifest.max_batch
@@ -121,7 +125,8 @@ class OnnxBackend:
         drafter_file = manifest.ort_drafter or manifest.drafter.onnx  # same I/O, 4-bit weights when built
         graphs = [OnnxGraph(make_session(Path(engine_dir) / name, threads), entry, in_place, Path(engine_dir) / name)
                   for name, entry in ((manifest.target.onnx, manifest.target), (drafter_file, manifest.drafter))]
-        return cls(manifest, *graphs, target_config, drafter_config)
+        return cls(manifest, *graphs, target_config, drafter_config,
+                   read_draft_vocab_ids(Path(engine_dir) / manifest.drafter_dir))
 
     def supports_block_size(self, block_size: int) -> bool:
         return block_size == 1 or block_size in self.manifest.block_sizes
@@ -175,7 +180,8 @@ class OnnxBackend:
         return PrefillOutput(last_logits=torch.from_numpy(out["logits"][:, 0]), taps=torch.from_numpy(out["taps"]),
                              hidden=torch.from_numpy(out["hidden"]))
 
-    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None):
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None,
+              with_logits=False):
         b, n = new_taps.shape[:2]
         if n == 0:
             raise ValueError("the drafter graph needs at least one new context position per call")
@@ -188,7 +194,8 @@ class OnnxBackend:
             "context_positions": row_positions(ctx_start, n, b).numpy(),
             "context_length": lengths[:, None].numpy().astype(np.int64),
         }, state.drafter_cache)
-        return torch.from_numpy(out["draft_ids"])
+        ids = torch.from_numpy(out["draft_ids"])
+        return DraftOutput(ids, torch.from_numpy(out["draft_logits"]).float()) if with_logits else ids
 
     def verify(self, state, block_ids, start):
         k = block_ids.shape[1]

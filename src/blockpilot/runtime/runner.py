@@ -98,11 +98,18 @@ class Runner:
         policy: chooses a block size from prefill output (`block_size="auto"`); optional.
         default_block_size: block size when neither the caller nor a policy chooses one.
         clock: returns seconds; the loop reads it at step boundaries only.
+        sampled_drafts: at T > 0, draw drafts from the drafter's distribution and accept them by
+            rejection sampling where the backend returns the drafter's logits (`draft_logits`); False:
+            greedy drafts and "sample, then match" at every temperature (`runtime.sampling`). Both are
+            lossless; rejection sampling accepts more (a slot survives with probability
+            `sum min(p, q)` instead of `p(argmax q)`).
     """
 
     def __init__(self, backend: Backend, *, policy=None, default_block_size: int | None = None,
-                 end_id: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 end_id: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 sampled_drafts: bool = True):
         self.backend = backend
+        self.sampled_drafts = sampled_drafts
         self.policy = policy
         dc = backend.drafter_config
         self.default_block_size = default_block_size or (dc.block_size if dc is not None else 1)

@@ -1,9 +1,20 @@
 """Pure sampling and acceptance math: tensors in, tensors out, batch-aware, explicit generators.
 
-Speculative decoding here is "sample, then match": the target's posterior token is drawn (or
-arg-maxed at temperature 0) at every block position, and a draft token is accepted while it equals
-the posterior of the position before it. Because the drafter is deterministic (greedy), the
-committed tokens are distributed exactly as autoregressive samples from the target.
+Two lossless acceptance rules:
+
+- **Sample, then match** (greedy drafts; every temperature): the target's posterior token is drawn
+  (or arg-maxed at temperature 0) at every block position, and a draft token is accepted while it
+  equals the posterior of the position before it. Because the draft is deterministic, the committed
+  tokens are distributed exactly as autoregressive samples from the target. At T > 0 a draft token
+  `x` survives with probability `p(x)`.
+- **Rejection sampling** (drafts drawn from the drafter's distribution `q`; T > 0, Leviathan et al.
+  2023, Chen et al. 2023): slot k's draft `x ~ q_k` is accepted with probability `min(1, p_k(x) /
+  q_k(x))`; at the first rejection the step commits one token drawn from `max(p_k - q_k, 0)`
+  (normalised) and ends; when every draft is accepted the bonus token is drawn from the last `p`.
+  Each committed token is then distributed exactly as the target's, and a slot survives with
+  probability `sum_x min(p_k(x), q_k(x))`, at least `p_k(argmax q_k)` when `q_k` is close to `p_k`.
+  `q_k` may be any distribution computed without the token it proposes: a DFlash block's slots are
+  drafted in parallel from the context before the block, which is such a distribution.
 """
 
 from __future__ import annotations
@@ -91,3 +102,49 @@ def committed_tokens(draft: torch.Tensor, posterior: torch.Tensor, accepted: tor
     idx = torch.arange(posterior.shape[1], device=posterior.device)[None, :]
     padded_draft = torch.cat((draft, posterior[:, -1:]), dim=1)
     return torch.where(idx < accepted[:, None], padded_draft, posterior)
+
+
+def draft_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The drafter's proposal `q` `(..., N)`: softmax of its logits at the request's temperature (no
+    top-k / top-p: any proposal keeps rejection sampling exact; a filtered target distribution only
+    rejects more of the drafts it would never produce)."""
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+def rejection_sample_block(draft_rows: torch.Tensor, q: torch.Tensor, vocab_ids: torch.Tensor | None,
+                           probs: torch.Tensor, generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """One row's step of speculative rejection sampling (see the module docstring).
+
+    Args:
+        draft_rows: `(K - 1,)` drafted columns of `q` (drawn from it).
+        q: `(K - 1, N)` the proposal of each slot over the draft vocabulary.
+        vocab_ids: `(N,)` target id of each column of `q`; None when the columns are all V ids.
+        probs: `(K, V)` the target's distribution at block positions 0..K-1 (after temperature, top-k,
+            top-p): row k - 1 judges slot k, the last row gives the bonus token.
+        generator: the request's random generator.
+
+    Returns:
+        The committed tokens (the accepted drafts, then one token from the residual or the bonus row)
+        and how many drafts were accepted.
+    """
+    probs = probs.double()
+    draft = draft_rows if vocab_ids is None else vocab_ids[draft_rows]
+    uniform = torch.rand(len(draft_rows), generator=generator, dtype=torch.float64).tolist()  # CPU generator
+    tokens: list[int] = []
+    for k, (row, token) in enumerate(zip(draft_rows.tolist(), draft.tolist())):
+        q_x, p_x = float(q[k, row]), float(probs[k, token])
+        if uniform[k] * q_x < p_x:  # accepted with probability min(1, p / q)
+            tokens.append(token)
+            continue
+        residual = probs[k].clone()
+        if vocab_ids is None:
+            residual -= q[k].to(residual)
+        else:
+            residual.index_add_(0, vocab_ids, -q[k].to(residual))
+        residual.clamp_(min=0.0)
+        if not residual.sum() > 0:  # p <= q everywhere to rounding: p itself (a measure-zero event)
+            residual = probs[k]
+        tokens.append(int(draw_categorical(residual[None], generator)[0]))
+        return tokens, k
+    tokens.append(int(draw_categorical(probs[-1:], generator)[0]))
+    return tokens, len(tokens) - 1

@@ -19,7 +19,8 @@ import torch
 from blockpilot.builder.manifest import GraphEntry, Manifest
 from blockpilot.errors import UserError
 from blockpilot.models.config import DecoderConfig, DrafterConfig
-from blockpilot.runtime.backend import DecodeState, PrefillOutput, VerifyOutput, row_positions
+from blockpilot.models.checkpoint import read_draft_vocab_ids
+from blockpilot.runtime.backend import DecodeState, DraftOutput, PrefillOutput, VerifyOutput, row_positions
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -123,9 +124,11 @@ class TrtBackend:
     name = "tensorrt"
 
     def __init__(self, manifest: Manifest, target: TrtGraph, drafter: TrtGraph, target_config: DecoderConfig,
-                 drafter_config: DrafterConfig, device: str = "cuda"):
+                 drafter_config: DrafterConfig, device: str = "cuda", draft_vocab_ids: torch.Tensor | None = None):
         self.manifest = manifest
         self.target, self.drafter = target, drafter
+        self.draft_logits = "draft_logits" in drafter.entry.outputs  # engines of export version >= 5
+        self.draft_vocab_ids = None if draft_vocab_ids is None else draft_vocab_ids.to(device)
         self.target_config, self.drafter_config = target_config, drafter_config
         self.max_capacity = manifest.max_seq_len
         self.max_batch = 1  # the engines' profiles pin batch 1
@@ -143,7 +146,8 @@ class TrtBackend:
         if torch.device(device).index is not None:
             torch.cuda.set_device(torch.device(device))
         graphs = [TrtGraph(load_engine(Path(engine_dir) / e.engine), e) for e in (manifest.target, manifest.drafter)]
-        return cls(manifest, *graphs, target_config, drafter_config, device)
+        return cls(manifest, *graphs, target_config, drafter_config, device,
+                   read_draft_vocab_ids(Path(engine_dir) / manifest.drafter_dir))
 
     def supports_block_size(self, block_size: int) -> bool:
         return block_size == 1 or block_size in self.manifest.block_sizes
@@ -192,7 +196,8 @@ class TrtBackend:
         out = self._run_target(state, input_ids, 0, self._positions(n - 1, 1), None)
         return PrefillOutput(last_logits=out["logits"][:, 0], taps=out["taps"], hidden=out["hidden"])
 
-    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None):
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None,
+              with_logits=False):
         n = new_taps.shape[1]
         count = n if new_counts is None else int(new_counts[0])
         ctx_start = ctx_start if isinstance(ctx_start, int) else int(ctx_start[0])
@@ -206,7 +211,8 @@ class TrtBackend:
             "context_length": torch.tensor([[ctx_start + count]], dtype=torch.int64, device=self.device),
         }
         profile = self.manifest.drafter.profile_index(block_size)
-        return self.drafter.run(profile, inputs, state.drafter_cache)["draft_ids"]
+        out = self.drafter.run(profile, inputs, state.drafter_cache)
+        return DraftOutput(out["draft_ids"], out["draft_logits"].float()) if with_logits else out["draft_ids"]
 
     def verify(self, state, block_ids, start):
         k = block_ids.shape[1]

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter, greedy_draft_tokens
+from blockpilot.models.dflash import DFlashDrafter, draft_logits, greedy_draft_tokens
 from blockpilot.training.objective import Batch, block_forward, block_labels, simulated_tau
 
 
@@ -27,6 +27,21 @@ def sequence_taps(target: Decoder, ids: list[int], tap_layers) -> torch.Tensor:
     n = len(ids)
     cache = KVCache.allocate(target.config, 1, n, torch.float32)
     return target(target.embed_tokens(torch.tensor([ids])), torch.arange(n), cache, n, tuple(tap_layers)).taps
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledReplay:
+    """What replaying drafts *drawn* from the drafter (rejection sampling, `runtime.sampling`) needs at T > 0.
+
+    Given the committed token `y_i` (one draw of the target's continuation), rejection sampling accepted
+    the slot that proposed it with probability `min(p_i(y_i), q(y_i)) / p_i(y_i)`: accepted drafts commit
+    `y_i` with probability `min(p, q)(y_i)`, residual draws with `p(y_i) - min(p, q)(y_i)`. Replaying that
+    conditional acceptance slot by slot over `y` gives every step's acceptance length with exactly the
+    distribution decoding gives it."""
+
+    temperature: float
+    token_probs: torch.Tensor  # (len(ids),) float64: p_i(ids[i]) under the target's sampling (prompt entries unused)
+    uniform: torch.Tensor  # (len(ids),) float64 in [0, 1): one draw per position, shared by every block size
 
 
 @dataclasses.dataclass
@@ -40,7 +55,8 @@ class _Replay:
 
 @torch.inference_mode()
 def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt_len: int,
-                       block_sizes, taps: torch.Tensor, stop_at: int | None = None) -> list[list[int]]:
+                       block_sizes, taps: torch.Tensor, stop_at: int | None = None,
+                       sampled: SampledReplay | None = None) -> list[list[int]]:
     """Tokens committed per step, for each block size, when greedily decoding `ids[prompt_len:]`.
 
     The block sizes run in lockstep: each round is one drafter pass over the blocks of every size
@@ -49,6 +65,8 @@ def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], 
     sequence. `stop_at`: stop after the step that commits `ids[stop_at]` (default: the last id), as
     the runtime stops at its token budget or end id; every step sees its whole block when
     `len(ids) >= stop_at + block_size - 1`. `taps`: `(1, >= stop_at, tH)` target taps of `ids`.
+    `sampled`: replay drafts drawn from the drafter at T > 0 (`SampledReplay`); default: greedy drafts,
+    accepted while they equal `ids` (exact at T = 0, and at T > 0 for "sample, then match").
     """
     y = torch.tensor(ids)
     end = len(ids) - 1 if stop_at is None else min(stop_at, len(ids) - 1)
@@ -75,13 +93,31 @@ def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], 
         for layer, (k_ctx, v_ctx) in zip(drafter.layers, context_kv):
             x = layer(x, k_ctx, v_ctx, block_rope, mask)
         hidden = drafter.norm(x)[0, offsets > 0]  # (sum(size - 1), H): the mask slots
-        drafts = greedy_draft_tokens(hidden, head, drafter.draft_vocab_ids).split((sizes - 1).tolist())
+        if sampled is None:
+            drafts = greedy_draft_tokens(hidden, head, drafter.draft_vocab_ids).split((sizes - 1).tolist())
+        else:
+            q = torch.softmax(draft_logits(hidden, head).double() / sampled.temperature, -1)  # (sum(size - 1), N)
+            drafts = q.split((sizes - 1).tolist())
         for r, draft in zip(active, drafts):
             truth = y[r.pos + 1: r.pos + r.size]
-            accepted = min(int((draft[:len(truth)] == truth).long().cumprod(0).sum()), len(ids) - 1 - r.pos)
+            if sampled is None:
+                ok = draft[:len(truth)] == truth
+            else:  # accepted with probability min(p, q) / p of the committed token
+                q_y = _column_probs(draft[:len(truth)], truth, drafter.draft_vocab_ids)
+                p_y = sampled.token_probs[r.pos + 1: r.pos + 1 + len(truth)]
+                ok = sampled.uniform[r.pos + 1: r.pos + 1 + len(truth)] * p_y < torch.minimum(p_y, q_y)
+            accepted = min(int(ok.long().cumprod(0).sum()), len(ids) - 1 - r.pos)
             r.steps.append(accepted + 1)
             r.pos += accepted + 1
     return [r.steps for r in runs]
+
+
+def _column_probs(q: torch.Tensor, tokens: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    """`q[j, column of tokens[j]]` `(len(tokens),)`; 0 for a token outside the draft vocabulary."""
+    if vocab_ids is None:
+        return q.gather(1, tokens[:, None])[:, 0]
+    column = torch.searchsorted(vocab_ids, tokens).clamp(max=len(vocab_ids) - 1)  # the ids are sorted
+    return torch.where(vocab_ids[column] == tokens, q.gather(1, column[:, None])[:, 0], 0.0)
 
 
 def replay_accept_lengths(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt_len: int,
