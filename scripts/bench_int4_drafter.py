@@ -13,41 +13,26 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
-from blockpilot.assets.prompts import load_humaneval, load_mtbench
+from blockpilot.profiling.bench_scripts import add_common_args, open_runner, prompt_sets
 from blockpilot.runtime.onnx_backend import make_session
-from blockpilot.runtime.runner import Runner
-from blockpilot.text import chat_prompt_ids, load_tokenizer
+from blockpilot.text import chat_prompt_ids
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=12, help="prompts of each set")
-    p.add_argument("--offset", type=int, default=0, help="first prompt of each set")
     p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: all cores)")
-    p.add_argument("--engine-dir", type=Path, help="default: the embedded default's (built on first use)")
-    p.add_argument("--json", type=Path, help="write the totals here")
+    add_common_args(p, prompts=12)
     args = p.parse_args()
-    if args.engine_dir is None:
-        from blockpilot.builder.embedded import embedded_engine_dir
-
-        args.engine_dir = embedded_engine_dir()
-    from blockpilot.assets.smollm2 import smollm2_dir
-
-    runner = Runner.from_engine_dir(args.engine_dir, backend="onnxruntime", threads=args.threads)
+    runner = open_runner(args)
     backend = runner.backend
     if backend.manifest.ort_drafter is None:
         raise SystemExit(f"{args.engine_dir} has no 4-bit drafter copy; build it without --no-int4-drafter")
     sessions = {"int4": backend.drafter.session,
                 "fp32": make_session(args.engine_dir / backend.manifest.drafter.onnx, args.threads)}
-    tokenizer = load_tokenizer(smollm2_dir())
-    sets = {"humaneval": load_humaneval(), "mtbench": load_mtbench()}
-    prompts = [(name, q.text) for name, items in sets.items() for q in items[args.offset: args.offset + args.prompts]]
+    tokenizer, sets, prompts = prompt_sets(args)
     spent = {"draft": 0.0, "verify": 0.0}
     for call in spent:
         def timed(*a, _inner=getattr(backend, call), _name=call, **kw):

@@ -15,38 +15,23 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
-from blockpilot.assets.prompts import load_humaneval, load_mtbench
-from blockpilot.runtime.runner import Runner
-from blockpilot.text import chat_prompt_ids, load_tokenizer
+from blockpilot.profiling.bench_scripts import add_common_args, open_runner, prompt_sets
+from blockpilot.text import chat_prompt_ids
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=20, help="prompts of each set")
-    p.add_argument("--offset", type=int, default=0, help="first prompt of each set")
     p.add_argument("--block-sizes", default="3,4")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: all cores)")
-    p.add_argument("--engine-dir", type=Path, help="default: the embedded default's (built on first use)")
-    p.add_argument("--json", type=Path, help="write the totals here")
+    add_common_args(p, prompts=20)
     args = p.parse_args()
-    if args.engine_dir is None:
-        from blockpilot.builder.embedded import embedded_engine_dir
-
-        args.engine_dir = embedded_engine_dir()
-    from blockpilot.assets.smollm2 import smollm2_dir
-
-    runner = Runner.from_engine_dir(args.engine_dir, backend="onnxruntime", threads=args.threads)
+    runner = open_runner(args)
     if not getattr(runner.backend, "draft_logits", False):
         raise SystemExit(f"{args.engine_dir}'s drafter graph has no draft_logits output; rebuild it")
-    tokenizer = load_tokenizer(smollm2_dir())
-    sets = {"humaneval": load_humaneval(), "mtbench": load_mtbench()}
-    prompts = [(name, q.text) for name, items in sets.items() for q in items[args.offset: args.offset + args.prompts]]
+    tokenizer, sets, prompts = prompt_sets(args)
     sizes = [int(k) for k in args.block_sizes.split(",")]
     systems = ["plain"] + [f"{kind}-b{k}" for k in sizes for kind in ("sampled", "greedy")]
     totals = {s: {"time_s": 0.0, "tokens": 0, "tau": {n: [] for n in sets}} for s in systems}

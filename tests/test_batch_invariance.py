@@ -95,6 +95,20 @@ def test_fp16_speculation_on_the_cpu_is_refused_with_one_line(tmp_path_factory):
     assert Runner.from_dir(target, dtype=torch.float16).backend.drafter_config is None  # plain decoding is fine
 
 
+def test_bf16_on_a_cpu_without_native_bf16_products_warns_to_use_fp32(tmp_path_factory, monkeypatch):
+    import warnings
+
+    from blockpilot.models import packed
+
+    target, drafter = tiny_models(tmp_path_factory, "llama")
+    monkeypatch.setattr(packed, "native_bf16", lambda: False)  # as on an AVX2-only CPU
+    for dtype, expected in ((torch.bfloat16, 1), (torch.float32, 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Runner.from_dir(target, drafter_dir=drafter, dtype=dtype)
+        assert sum("no native bf16" in str(w.message) for w in caught) == expected, dtype
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["onnxruntime-fp32", "torch-bf16"])
 def test_smollm2_verify_rows_equal_plain_decoding_steps_bit_for_bit(path):

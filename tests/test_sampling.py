@@ -16,6 +16,7 @@ from blockpilot.runtime.sampling import (
     accepted_draft_counts,
     committed_tokens,
     draft_distribution,
+    greedy_tokens,
     logits_to_probs,
     rejection_sample_block,
     sample_tokens,
@@ -104,6 +105,14 @@ def test_filtering_is_per_row_of_a_batch():
 def test_temperature_zero_is_argmax_per_position():
     logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0))
     assert torch.equal(sample_tokens(logits, SamplingParams()), logits.argmax(-1))
+
+
+def test_greedy_tokens_equal_torch_argmax_on_ties_views_1d_rows_and_bf16():
+    logits = torch.randn(3, 5, 49152, generator=torch.Generator().manual_seed(0))
+    logits[0, 1, [7, 300, 40000]] = 100.0  # a three-way tie: the first index wins, as in torch
+    for x in (logits, logits[:, 1:4], logits[1, 2], logits.transpose(0, 1), logits.bfloat16()):
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+    assert int(greedy_tokens(logits)[0, 1]) == 7
 
 
 def test_sampling_draws_follow_the_filtered_distribution_and_repeat_with_the_seed():

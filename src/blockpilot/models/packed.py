@@ -20,13 +20,14 @@ from torch import nn
 
 
 @functools.cache
-def _onednn_bf16() -> bool:
+def native_bf16() -> bool:
+    """True when this CPU runs oneDNN's bf16 products natively (AVX512-BF16 or AMX); without, torch emulates them."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def can_pack(weight: torch.Tensor) -> bool:
     """True when `weight` is a bf16 CPU tensor and this CPU runs oneDNN's bf16 products."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_bf16()
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and native_bf16()
 
 
 class PackedLinear(nn.Module):

@@ -57,6 +57,9 @@ class OnnxGraph:
         self.in_place = in_place
         self.past_names, self.present_names = entry.past_names, entry.present_names
         self.plain_outputs = [n for n in entry.outputs if not n.startswith("present_")]
+        # in place, a state's caches stay bound from call to call: binding SmolLM2's 60 caches took
+        # 0.2 ms a call (2-core AVX2 EPYC), paid by the target and the drafter call of every step
+        self._binding, self._bound_caches = None, None
 
     def run(self, inputs: dict[str, np.ndarray], caches: list) -> dict[str, np.ndarray]:
         """Run with `inputs` and the cache `OrtValue`s `caches` (updated in the list).
@@ -64,19 +67,26 @@ class OnnxGraph:
         Returns:
             The non-cache outputs by name.
         """
-        binding = self.session.io_binding()
+        if self.in_place and caches is self._bound_caches:
+            binding = self._binding  # the same list: the same OrtValues (in place, nothing replaces them)
+        else:
+            binding = self.session.io_binding()
+            for name in self.plain_outputs:  # bound first: `get_outputs` lists outputs in binding order
+                binding.bind_output(name)
+            for name, cache in zip(self.past_names, caches):
+                binding.bind_ortvalue_input(name, cache)
+            for name, cache in zip(self.present_names, caches):
+                if self.in_place:
+                    binding.bind_ortvalue_output(name, cache)  # TensorScatter updates the buffer itself
+                else:
+                    binding.bind_output(name)
+            if self.in_place:
+                self._binding, self._bound_caches = binding, caches
         arrays = {name: np.ascontiguousarray(value) for name, value in inputs.items()}  # alive until run ends
         for name, array in arrays.items():
             binding.bind_cpu_input(name, array)
-        for name, cache in zip(self.past_names, caches):
-            binding.bind_ortvalue_input(name, cache)
         for name in self.plain_outputs:
-            binding.bind_output(name)
-        for name, cache in zip(self.present_names, caches):
-            if self.in_place:
-                binding.bind_ortvalue_output(name, cache)  # TensorScatter updates the buffer itself
-            else:
-                binding.bind_output(name)
+            binding.bind_output(name)  # rebinding keeps the position; a fresh buffer each call, as the caller keeps it
         self.session.run_with_iobinding(binding)
         values = binding.get_outputs()
         if not self.in_place:

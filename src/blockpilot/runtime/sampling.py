@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 
@@ -64,9 +65,18 @@ def sample_tokens(
 ) -> torch.Tensor:
     """One token per row of `logits` `(..., V)` -> `(...)`: argmax at T = 0, else a draw."""
     if params.greedy:
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     probs = logits_to_probs(logits, params)
     return draw_categorical(probs.reshape(-1, probs.shape[-1]), generator).reshape(probs.shape[:-1])
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` (the first index of the largest value, as torch's), through numpy for float32 CPU
+    tensors: numpy's vectorised argmax took 0.055 ms for 8 rows of 49,152 logits where torch's took 1.07 ms
+    (one core, 2-core AMD EPYC with AVX2), which every verify step of a greedy request pays."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
+    return logits.argmax(-1)
 
 
 def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -104,7 +104,8 @@ def backend_precision(backend) -> tuple[str, str]:
 
 
 def machine_class(device: str = "cpu") -> str:
-    """What the costs hold for: the CPU model and core count ("AMD EPYC 9B14 x2"), or the CUDA GPU's name."""
+    """What the costs hold for: the CPU model, core count and vector instructions ("AMD EPYC 9B14 x2,
+    AVX512+bf16"; see `cpu_vector_isa`), or the CUDA GPU's name."""
     if str(device).startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     model = ""
@@ -115,7 +116,17 @@ def machine_class(device: str = "cpu") -> str:
                 break
     except OSError:
         pass
-    return f"{model or platform.processor() or platform.machine()} x{os.cpu_count()}"
+    return f"{model or platform.processor() or platform.machine()} x{os.cpu_count()}, {cpu_vector_isa()}"
+
+
+def cpu_vector_isa() -> str:
+    """The widest vector instructions torch's CPU kernels use here ("AVX512", "AVX2", ...), plus "+bf16"
+    when oneDNN runs bf16 products natively. Two machines sold under one CPU name can differ in this, and
+    with it their step costs: a 2-core "AMD EPYC" with AVX-512 and AVX512-BF16 streamed weights at 45 GB/s,
+    one without (AVX2) at 19 GB/s, which made every onnxruntime forward about 2.4x slower."""
+    from blockpilot.models.packed import native_bf16
+
+    return torch.backends.cpu.get_cpu_capability() + ("+bf16" if native_bf16() else "")
 
 
 def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int, rounds: int = 3) -> dict[int, float]:
