@@ -236,6 +236,13 @@ def test_step_costs_round_trip_through_the_manifest_and_older_manifests_read_wit
     assert read_manifest(tmp_path).step_costs is None
 
 
+def test_cpu_vector_isa_names_amx_tiles_when_the_cpu_has_them(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert cpu_vector_isa().endswith("+amx")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert "amx" not in cpu_vector_isa()
+
+
 def test_build_measures_step_costs_on_the_built_graphs(tmp_path_factory):
     manifest = read_manifest(tiny_engine_dir(tmp_path_factory))  # built with `blockpilot build`
     costs = manifest.step_costs

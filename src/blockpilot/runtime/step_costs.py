@@ -121,12 +121,14 @@ def machine_class(device: str = "cpu") -> str:
 
 def cpu_vector_isa() -> str:
     """The widest vector instructions torch's CPU kernels use here ("AVX512", "AVX2", ...), plus "+bf16"
-    when oneDNN runs bf16 products natively. Two machines sold under one CPU name can differ in this, and
-    with it their step costs: a 2-core "AMD EPYC" with AVX-512 and AVX512-BF16 streamed weights at 45 GB/s,
-    one without (AVX2) at 19 GB/s, which made every onnxruntime forward about 2.4x slower."""
+    when oneDNN runs bf16 products natively and "+amx" when the CPU has AMX tiles. Two machines sold under
+    one CPU name can differ in this, and with it their step costs: a 2-core "AMD EPYC" with AVX-512 and
+    AVX512-BF16 streamed weights at 45 GB/s, one without (AVX2) at 19 GB/s, which made every onnxruntime
+    forward about 2.4x slower."""
     from blockpilot.models.packed import native_bf16
 
-    return torch.backends.cpu.get_cpu_capability() + ("+bf16" if native_bf16() else "")
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.backends.cpu.get_cpu_capability() + ("+bf16" if native_bf16() else "") + ("+amx" if amx else "")
 
 
 def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int, rounds: int = 3) -> dict[int, float]:
