@@ -2,8 +2,9 @@
 round of `blockpilot answer` (more chat data for the drafter; the package holds ~11k first turns, the data ~8.7k
 answers to them).
 
-Kept: 5-1,500 characters, not equal to any HumanEval problem (wrapped or bare) or MT-Bench question, not already answered in any `data/*.jsonl.gz`; one per distinct text; shuffled with a fixed
-seed, so the file is the same on every machine and a stopped `answer` run resumes over the same order.
+Kept: 5-1,500 characters, not equal to any HumanEval problem (wrapped or bare) or MT-Bench question, not
+already answered in any `data/*.jsonl.gz`; one per distinct text; shuffled with a fixed seed, so the file is the
+same on every machine and a stopped `answer` run resumes over the same order.
 
     python scripts/open_sharegpt_prompts.py --out runs/sharegpt-open.jsonl
     blockpilot answer --prompts runs/sharegpt-open.jsonl --out runs/sharegpt-open-answers.jsonl --batch-size 16
@@ -16,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-from blockpilot.assets.prompts import HUMANEVAL_INSTRUCTION, load_humaneval, load_mtbench, load_sharegpt
+from blockpilot.assets.prompts import evaluation_texts, load_sharegpt
 from blockpilot.training.data import read_answer_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,8 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def open_prompts(answer_files: list[Path], min_chars: int = 5, max_chars: int = 1500, seed: int = 0) -> list[dict]:
     """ShareGPT first turns not answered in `answer_files` and not an evaluation prompt, shuffled (`seed`)."""
     answered = {row["prompt"] for path in answer_files for row in read_answer_rows(path)}
-    evaluation = {p.text.strip() for p in load_humaneval() + load_mtbench()}  # what `load_train_prompts` refuses
-    evaluation |= {p.text.removeprefix(HUMANEVAL_INSTRUCTION).removesuffix("```").strip() for p in load_humaneval()}
+    evaluation = evaluation_texts()  # what `load_train_prompts` refuses
     seen, rows = set(), []
     for prompt in load_sharegpt():
         text = prompt.text

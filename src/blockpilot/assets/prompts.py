@@ -232,14 +232,20 @@ def load_train_prompts(name_or_path: str | Path) -> list[Prompt]:
         raise UserError(f"cannot read {name}: no such file; give a JSONL prompt file or a training set "
                         "(sharegpt, stdlib-code)")
     prompts = load_dataset(name_or_path)
-    evaluation = {p.text.strip() for p in load_humaneval() + load_mtbench()}
-    evaluation |= {_humaneval_stub(p.text).strip() for p in load_humaneval()}
+    evaluation = evaluation_texts()
     leaked = [p.id for p in prompts if p.text.strip() in evaluation]
     if leaked:
         raise UserError(
             f"{len(leaked)} training prompts in {name} are evaluation prompts (first: {leaked[0]}); remove them"
         )
     return prompts
+
+
+def evaluation_texts() -> set[str]:
+    """The stripped texts no training prompt may equal: every HumanEval problem (wrapped as `load_humaneval`
+    wraps it, and bare) and every MT-Bench first turn."""
+    humaneval = load_humaneval()
+    return {p.text.strip() for p in humaneval + load_mtbench()} | {_humaneval_stub(p.text).strip() for p in humaneval}
 
 
 def _humaneval_stub(text: str) -> str:
