@@ -14,7 +14,8 @@ profiling the one that ships.
 
 Datasets are re-read from the run's own command (`--dataset` values, paths relative to the repository).
 Output: pooled tokens/s (prefill included, as `profile` reports) per dataset, temperature and predictor,
-beside the run's fixed sizes, its fastest plain decoding and the per-request oracle over the measured sizes.
+beside the run's fixed sizes, its fastest plain decoding and the per-request oracle over the measured sizes
+(`profile`'s own `--oracle-by time`: lowest decode time per token).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_datasets(run: dict) -> list[str]:
-    """The `--dataset` values of the profile command that wrote `run`."""
+def command_values(run: dict, flag: str) -> list[str]:
+    """The values given to `flag` in the profile command that wrote `run` (in order; empty if absent)."""
     command = run["command"]
-    return [command[i + 1] for i, arg in enumerate(command) if arg == "--dataset"]
+    return [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == flag]
 
 
 def choose(engine_dir: Path, predictor: Path, requests, temperatures) -> dict:
@@ -66,19 +67,21 @@ def pooled(rows) -> float:
 def main() -> None:
     args = parse_args()
     from blockpilot.builder.embedded import embedded_engine_dir
+    from blockpilot.profiling.measure import oracle_rows
     from blockpilot.profiling.workload import load_requests, load_tokenizer
 
     run = json.loads(args.run.read_text())
     engine_dir = args.engine_dir or embedded_engine_dir()
     temperatures = run["workload"]["temperatures"]
-    datasets = [str(ROOT / d) if (ROOT / d).exists() else d for d in run_datasets(run)]
-    command = run["command"]
-    limit = int(command[command.index("--limit") + 1]) if "--limit" in command else None
+    datasets = [str(ROOT / d) if (ROOT / d).exists() else d for d in command_values(run, "--dataset")]
+    limit = int(command_values(run, "--limit")[-1]) if command_values(run, "--limit") else None
     requests = load_requests(datasets, load_tokenizer(engine_dir), limit)
     sets = list(run["workload"]["datasets"])
     measured = {(r["system"], r["dataset"], r["prompt_id"], r["temperature"]): r for r in run["rows"]}
     fixed = sorted({int(s[4:]) for s in run["systems"] if s.startswith("bp-b")})
     sizes = {1: "ar", **{k: f"bp-b{k}" for k in fixed}}
+    oracle = {(r["dataset"], r["prompt_id"], r["temperature"]): r  # profile's oracle by time over the measured sizes
+              for r in oracle_rows(run["rows"], list(sizes.values()), by="time")}
     choices = {str(p): choose(engine_dir, p, requests, temperatures) for p in args.predictor}
 
     table = []
@@ -88,8 +91,7 @@ def main() -> None:
             entry = {"temperature": t, "set": name, "requests": len(keys)}
             for system in run["systems"]:
                 entry[system] = pooled(measured[(system, *k)] for k in keys)
-            entry["oracle"] = pooled(min((measured[(s, *k)] for s in sizes.values()),
-                                         key=lambda r: r["total_s"] / max(1, r["output_tokens"])) for k in keys)
+            entry["oracle"] = pooled(oracle[k] for k in keys)
             for p, chosen in choices.items():
                 picked = [(k, chosen[k]) for k in keys]
                 entry[p] = pooled(measured[(sizes[b], *k)] for k, b in picked if b in sizes)
