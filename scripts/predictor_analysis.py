@@ -5,7 +5,8 @@ temperature and prompt category.
     python scripts/predictor_analysis.py --dataset runs/predictor/labels-t0 --prompts runs/predictor/heldout.jsonl \
         [--dataset D2 --prompts P2 ...] [--predictor P.onnx ...] [--step-costs ENGINE_DIR|JSON] [--json out.json]
 
-Categories come from the prompt file's `source` field (rows are matched by id). With `--predictor`, `auto`
+Categories come from the `source` field of the prompts each dataset was labelled on (the file named in its
+`meta.json`, rows matched by id; T > 0 datasets name the target's draws), or of the `--prompts` files given. With `--predictor`, `auto`
 is measured on the test split that `blockpilot train-predictor` held out (same seed and fractions), so
 train on the same datasets in the same order; the oracle and fixed columns there are of the same rows.
 """
@@ -25,8 +26,8 @@ from blockpilot.predictor.train import TrainSettings, assemble, prompt_groups, s
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", type=Path, action="append", required=True)
-    p.add_argument("--prompts", type=Path, action="append", required=True,
-                   help="JSONL with the source of every prompt (repeatable: one per dataset)")
+    p.add_argument("--prompts", type=Path, action="append", default=[],
+                   help="JSONL with the source of every prompt (repeatable; default: each dataset's own prompts file)")
     p.add_argument("--predictor", type=Path, action="append", default=[], help="trained .onnx (repeatable)")
     p.add_argument("--step-costs", type=Path, help="score with this table instead of the datasets' own")
     p.add_argument("--block-sizes", help="a subset of the candidates, e.g. 1,4,8 (datasets labelled at others)")
@@ -61,7 +62,8 @@ def main(argv=None) -> int:
         table = read_step_costs(args.step_costs)
         datasets = [d.with_step_costs(table) for d in datasets]
     sources = {}
-    for path in args.prompts:
+    own = [Path(d.meta["prompts_file"]) for d in datasets if d.meta.get("prompts_file")]
+    for path in args.prompts or [p for p in own if p.is_file()]:
         from blockpilot.assets.prompts import load_jsonl_prompts
 
         sources.update({p.id: p.category for p in load_jsonl_prompts(path)})
