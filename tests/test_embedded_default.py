@@ -73,6 +73,9 @@ def test_train_drafter_rejects_bad_input_with_one_line(tmp_path, capsys):
           "--regenerate", "5", "--time-budget", "1"], "nope.jsonl"),
         (["train-drafter", "--out", str(tmp_path / "d"), "--prompts", "humaneval",
           "--regenerate", "5", "--time-budget", "1"], "humaneval is an evaluation set"),
+        (_train_args(tmp_path, distill=1.5), "--distill must be between 0 and 1"),
+        (_train_args(tmp_path, distill=0.5, **{"distill-top-k": 0}), "--distill-top-k"),
+        (_train_args(tmp_path, distill=0.5, **{"distill-temperature": 0}), "--distill-temperature"),
     ]
     for argv, needle in cases:
         assert main(argv) == 2

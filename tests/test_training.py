@@ -87,6 +87,34 @@ def test_training_lowers_the_loss_and_resumes(tmp_path, tiny_corpus, device):
     assert resumed["log"][-1]["train_loss"] < log["log"][-1]["train_loss"]  # steps 30-45 vs 0-30
 
 
+def test_distillation_trains_on_cached_soft_labels_and_logs_the_sampled_acceptance(tmp_path, tiny_corpus):
+    """--distill caches the target's top-K next tokens with the taps, trains towards them (the loss falls),
+    logs the held-out expected tau of drafts drawn at T = 1, and its cache serves a later hard-label run."""
+    import json
+
+    from blockpilot.training import features
+    from blockpilot.training.pipeline import train_drafter_from_args
+
+    target_dir, answers = tiny_corpus
+    train_drafter_from_args(_args(tmp_path, answers, target=target_dir, max_steps=40, distill=0.5, distill_top_k=4,
+                                  distill_temperature=1.0, eval_every=0.0))
+    log = json.loads((tmp_path / "drafter" / "training_log.json").read_text())
+    assert log["config"]["distill"] == 0.5
+    evals = [entry for entry in log["log"] if entry["train_loss"] is not None]
+    assert evals[-1]["train_loss"] < evals[0]["train_loss"]
+    assert all(1.0 <= entry["sim_tau_t1"] <= 4.0 for entry in log["log"])
+    assert log["log"][-1]["sim_tau_t1"] > log["log"][0]["sim_tau_t1"]
+    assert (tmp_path / "work" / "features" / features.SOFT_IDS_FILE).is_file()
+    extracted = []
+    real = features._tap_batches
+    features._tap_batches = lambda *a, **k: (extracted.append(1), real(*a, **k))[1]
+    try:
+        train_drafter_from_args(_args(tmp_path, answers, target=target_dir, max_steps=5, out=tmp_path / "hard"))
+    finally:
+        features._tap_batches = real
+    assert not extracted  # the cache made with soft labels served the hard-label run
+
+
 def test_a_run_bounded_only_by_its_time_budget_trains_and_stops(tmp_path, tiny_corpus):
     import json
 

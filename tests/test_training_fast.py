@@ -1,5 +1,6 @@
 """The fast CPU trainer: draft-vocabulary loss, fused chunked lm_head, length groups, exact resume."""
 
+import dataclasses
 import math
 
 import pytest
@@ -73,6 +74,82 @@ def test_draft_vocabulary_loss_equals_the_full_vocabulary_loss_restricted_to_its
         assert torch.allclose(g, r, rtol=1e-4, atol=1e-6)
     assert torch.equal(stats["valid"], valid) and torch.equal(stats["correct"], correct)
     assert not bool(stats["correct"][~inside].any())  # an id outside the list can never be drafted
+
+
+def _with_soft_labels(target, batch, top_k=5):
+    """`batch` with the target's own top-`top_k` next-token log-probabilities at every position."""
+    from blockpilot.training.features import extract_features
+    from blockpilot.training.data import Sequence
+
+    sequences = [Sequence(tuple(row[:n].tolist()), 0) for row, n in zip(batch.ids, batch.lengths.tolist())]
+    _, soft = extract_features(target, sequences, (0,), top_k=top_k, autocast=False)
+    pad = torch.nn.utils.rnn.pad_sequence
+    return dataclasses.replace(batch, soft_ids=pad([s.ids.long() for s in soft], batch_first=True),
+                               soft_logprobs=pad([s.logprobs for s in soft], batch_first=True))
+
+
+@pytest.mark.parametrize("distill,temperature,chunk_rows", [(0.5, 1.0, 512), (1.0, 0.7, 5), (0.3, 1.3, 7)])
+def test_distillation_loss_is_the_cross_entropy_against_the_mixed_target_distribution(tmp_path, distill, temperature,
+                                                                                        chunk_rows):
+    """Slot target = (1 - a) onehot(label) + a * (target's top-K tempered, renormalised inside the draft
+    vocabulary); loss, gradients and the acceptance estimate `sum min(p, q)` equal an explicit computation."""
+    target, drafter = _tiny(tmp_path)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    vocab_ids = torch.arange(0, 97, 2)
+    drafter.set_draft_vocabulary(vocab_ids)
+    batch = _with_soft_labels(target, _batch(target, drafter))
+    head = DraftHead.of(drafter, target.lm_head.weight)
+    loss, stats = drafter_loss(drafter, target.embed_tokens.weight, head, batch, gamma=4.0, chunk_rows=chunk_rows,
+                               distill=distill, distill_temperature=temperature)
+    grads = torch.autograd.grad(loss, list(drafter.parameters()))
+
+    bsz = drafter.config.block_size
+    hidden = block_forward(drafter, target.embed_tokens.weight, batch)[:, 1:]
+    labels, valid = block_labels(batch, bsz)
+    logq = F.linear(hidden, target.lm_head.weight)[..., vocab_ids].log_softmax(-1)  # (NA, B-1, N_v)
+    column = torch.full((97,), -1)
+    column[vocab_ids] = torch.arange(len(vocab_ids))
+    rows = column[labels]
+    n, a = batch.anchors.shape
+    pos = (batch.anchors[..., None] + torch.arange(bsz - 1)).reshape(n, -1)  # the position that predicted each label
+    pos = pos.clamp(max=batch.ids.shape[1] - 1)
+    full_logp = F.linear(target(target.embed_tokens(batch.ids), torch.arange(batch.ids.shape[1]),
+                                KVCache.allocate(target.config, n, batch.ids.shape[1], torch.float32),
+                                batch.ids.shape[1]).hidden, target.lm_head.weight).log_softmax(-1)  # (N, L, V)
+    topk = full_logp.topk(5, dim=-1)
+    ids = topk.indices.gather(1, pos[..., None].expand(-1, -1, 5)).reshape(n * a, bsz - 1, 5)
+    lp = topk.values.gather(1, pos[..., None].expand(-1, -1, 5)).reshape(n * a, bsz - 1, 5)
+    inside = column[ids] >= 0
+    soft = torch.zeros_like(logq)
+    tempered = (lp / temperature).masked_fill(~inside, -math.inf).softmax(-1).nan_to_num(0.0)
+    soft.scatter_add_(-1, column[ids].clamp(min=0), tempered)
+    t = distill * soft
+    t.scatter_add_(-1, rows.clamp(min=0)[..., None], (1 - distill * tempered.sum(-1, keepdim=True)))
+    w = torch.exp(-torch.arange(bsz - 1, dtype=torch.float32) / 4.0)[None, :] * (valid & (rows >= 0))
+    ref = (-(t * logq).sum(-1) * w).sum() / w.sum()
+    ref_grads = torch.autograd.grad(ref, list(drafter.parameters()))
+    q_at = logq.exp().gather(-1, column[ids].clamp(min=0))
+    accept = (torch.minimum(lp.exp() * inside, q_at).sum(-1) * (w > 0)).detach()
+
+    assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(stats["accept"], accept, atol=1e-6) and float(accept.max()) > 0
+
+
+def test_with_soft_labels_and_no_distillation_the_loss_is_the_hard_label_loss(tmp_path):
+    target, drafter = _tiny(tmp_path)
+    batch = _batch(target, drafter)
+    head = DraftHead.of(drafter, target.lm_head.weight)
+    with torch.no_grad():
+        hard, stats = drafter_loss(drafter, target.embed_tokens.weight, head, batch, gamma=4.0)
+        with_soft, soft_stats = drafter_loss(drafter, target.embed_tokens.weight, head,
+                                             _with_soft_labels(target, batch), gamma=4.0)
+    assert torch.equal(hard, with_soft) and torch.equal(stats["correct"], soft_stats["correct"])
+    assert "accept" in soft_stats and "accept" not in stats
+    with pytest.raises(ValueError, match="soft labels"):
+        drafter_loss(drafter, target.embed_tokens.weight, head, batch, gamma=4.0, distill=0.5)
 
 
 def test_slots_whose_label_is_outside_the_draft_vocabulary_do_not_move_the_loss(tmp_path):
@@ -203,12 +280,37 @@ def test_taps_cached_on_disk_equal_the_taps_computed_in_memory(tmp_path):
     target, drafter = _tiny(tmp_path)
     sequences, layers = _sequences(), drafter.config.target_layer_ids
     expected = extract_taps(target, sequences, layers, tokens_per_batch=64)
-    on_disk = cached_taps(tmp_path / "cache", target, sequences, layers, "key-a", tokens_per_batch=64)
+    on_disk, soft = cached_taps(tmp_path / "cache", target, sequences, layers, "key-a", tokens_per_batch=64)
     loaded = load_cached_taps(tmp_path / "cache", "key-a")
-    assert loaded is not None and loaded[0] == sequences
+    assert loaded is not None and loaded[0] == sequences and soft is None and loaded[2] is None
     for want, got, again in zip(expected, on_disk, loaded[1]):
         assert got.dtype == torch.bfloat16 and torch.equal(want, got) and torch.equal(want, again)
     assert load_cached_taps(tmp_path / "cache", "key-b") is None  # other answers: not this cache
+
+
+def test_cached_soft_labels_are_the_targets_most_likely_next_tokens(tmp_path):
+    """With top_k the cache also holds, per position, the target's K most likely next ids and their
+    log-probabilities; a cache without them is rebuilt when they are asked for, and serves runs without."""
+    from blockpilot.training.features import cached_taps, load_cached_taps
+
+    target, drafter = _tiny(tmp_path)
+    sequences, layers = _sequences(), drafter.config.target_layer_ids
+    cached_taps(tmp_path / "cache", target, sequences, layers, "k", tokens_per_batch=64)
+    assert load_cached_taps(tmp_path / "cache", "k", top_k=4) is None  # made without soft labels
+    taps, soft = cached_taps(tmp_path / "cache", target, sequences, layers, "k", tokens_per_batch=64, top_k=4,
+                             autocast=False)
+    loaded = load_cached_taps(tmp_path / "cache", "k", top_k=4)
+    assert loaded is not None and load_cached_taps(tmp_path / "cache", "k") is not None
+    for seq, labels, again in zip(sequences, soft, loaded[2]):
+        n = len(seq.ids)
+        with torch.no_grad():
+            out = target(target.embed_tokens(torch.tensor([seq.ids])), torch.arange(n),
+                         KVCache.allocate(target.config, 1, n, torch.float32), n)
+        want = target.lm_head(out.hidden)[0].log_softmax(-1).topk(4, dim=-1)
+        assert labels.ids.shape == (n, 4) and labels.ids.dtype == torch.int32
+        assert torch.equal(labels.ids.long(), want.indices)
+        assert torch.allclose(labels.logprobs, want.values, atol=1e-5)
+        assert torch.equal(again.ids, labels.ids) and torch.equal(again.logprobs, labels.logprobs)
 
 
 def test_an_interrupted_feature_extraction_resumes_at_its_last_finished_batch(tmp_path, monkeypatch):
@@ -232,6 +334,6 @@ def test_an_interrupted_feature_extraction_resumes_at_its_last_finished_batch(tm
     assert features.load_cached_taps(tmp_path / "cache", "k") is None  # incomplete: not usable yet
     calls.clear()
     monkeypatch.setattr(target, "forward", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    resumed = features.cached_taps(tmp_path / "cache", target, sequences, layers, "k", tokens_per_batch=64)
+    resumed, _ = features.cached_taps(tmp_path / "cache", target, sequences, layers, "k", tokens_per_batch=64)
     assert len(calls) == batches - 2
     assert all(torch.equal(a, b) for a, b in zip(expected, resumed))

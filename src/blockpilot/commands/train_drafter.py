@@ -38,6 +38,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--anchors", type=int, default=16, help="anchored blocks per sequence")
     p.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (cosine schedule)")
     p.add_argument("--gamma", type=float, help="loss decay (default 7 for B>=16, 5 for B>=10, else 4)")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight in [0, 1] of the target's own next-token distribution in every slot's target "
+                   "(0: hard labels only, the DFlash recipe); drafts drawn from such a drafter are accepted more "
+                   "often at T > 0. Caches the target's top --distill-top-k ids per position with the taps")
+    p.add_argument("--distill-top-k", type=int, default=32, help="ids of the target's distribution kept per position")
+    p.add_argument("--distill-temperature", type=float, default=1.0,
+                   help="temperature of the target's distribution that the drafter learns")
     p.add_argument("--valid", type=int, default=48, help="held-out sequences for the periodic tau")
     p.add_argument("--eval-every", type=float, default=5.0, help="minutes between validation evals")
     p.add_argument("--checkpoint-every", type=float, default=10.0, help="minutes between checkpoints")

@@ -14,6 +14,12 @@ dropped from the loss and its normaliser; its draft is counted wrong, as at infe
 token can never be drafted). Logits exist only for slots of positive weight, and the cross-entropy
 and its gradient are computed chunk by chunk without keeping a `(slots, N_v)` tensor for backward.
 
+Distillation (`distill > 0`): the target of slot `k` becomes `(1 - distill) * onehot(label) + distill * p`,
+where `p` is the target's own next-token distribution at the label's position (its `K` most likely ids,
+cached with the taps, tempered by `distill_temperature` and renormalised over those inside the draft
+vocabulary): a drafter trained towards `p` proposes drafts that rejection sampling at T > 0 accepts more
+often (a slot survives with probability `sum min(p, q)`), while the hard term keeps the greedy draft.
+
 Shapes: `N` sequences, `L` padded length, `A` anchors per sequence, `B` block size, `H` hidden,
 `V` target vocabulary, `N_v` draft vocabulary (V without one).
 """
@@ -36,9 +42,12 @@ class Batch:
     lengths: torch.Tensor  # (N,) true lengths
     anchors: torch.Tensor  # (N, A) anchor positions
     anchor_valid: torch.Tensor  # (N, A) bool: False for padding anchors
+    soft_ids: torch.Tensor | None = None  # (N, L, K) int64: the target's most likely next tokens at each position
+    soft_logprobs: torch.Tensor | None = None  # (N, L, K) their log-probabilities (T = 1)
 
     def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(self)))
+        return Batch(*(None if (v := getattr(self, f.name)) is None else v.to(device, non_blocking=True)
+                       for f in dataclasses.fields(self)))
 
 
 def default_gamma(block_size: int) -> float:
@@ -112,6 +121,18 @@ def block_labels(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Ten
     return labels.reshape(n * a, -1), valid.reshape(n * a, -1)
 
 
+def block_soft_labels(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution for the label of every slot: ids and log-probabilities `(N * A, B - 1, K)`
+    (slot `k` of a block predicts the token at `anchor + k`, which the target predicted at `anchor + k - 1`)."""
+    n, a = batch.anchors.shape
+    pos = batch.anchors[..., None] + torch.arange(block_size - 1, device=batch.anchors.device)  # (N, A, B-1)
+    pos = pos.clamp(max=batch.ids.shape[1] - 1).reshape(n, -1, 1)
+    k = batch.soft_ids.shape[-1]
+    ids = batch.soft_ids.gather(1, pos.expand(-1, -1, k)).reshape(n * a, block_size - 1, k)
+    logprobs = batch.soft_logprobs.gather(1, pos.expand(-1, -1, k)).reshape(n * a, block_size - 1, k)
+    return ids.long(), logprobs.float()
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftHead:
     """The frozen rows of the target's `lm_head` that the loss and the drafts range over."""
@@ -142,54 +163,62 @@ LOSS_CHUNK_ROWS = 512
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
-    """`sum_i w_i * CE(hidden_i @ weight.T, target_i)` and the argmax rows, chunk by chunk.
+    """`sum_i w_i * CE(hidden_i @ weight.T, t_i)` for sparse target distributions `t_i` (probabilities
+    `probs_i` on rows `targets_i`), the argmax rows and the softmax at the target rows, chunk by chunk.
 
-    The gradient w.r.t. `hidden` is computed in the same pass (`(softmax - onehot) * w @ weight`),
-    so no logits are kept for backward; `weight` is frozen and gets no gradient."""
+    The gradient w.r.t. `hidden` is computed in the same pass (`(softmax - t) * w @ weight`), so no
+    logits are kept for backward; `weight` is frozen and gets no gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, weights, chunk_rows):  # (M, H), (N_v, H), (M,), (M,), int
+    def forward(ctx, hidden, weight, targets, probs, weights, chunk_rows):  # (M, H), (N_v, H), (M, J), (M, J), (M,)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         best = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        q_at = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if need_grad else None
         rows = min(chunk_rows, hidden.shape[0])  # one set of buffers for every chunk: no page faults
         products = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=hidden.device)
         buffer = torch.empty(rows, weight.shape[0], dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk_rows):
-            h, t, w = hidden[s:s + chunk_rows], targets[s:s + chunk_rows], weights[s:s + chunk_rows]
+            h, t, p, w = (x[s:s + chunk_rows] for x in (hidden, targets, probs, weights))
             c = h.shape[0]
             torch.mm(h.to(weight.dtype), weight.T, out=products[:c])
             logits = buffer[:c].copy_(products[:c])  # (c, N_v) fp32
             top, best[s:s + chunk_rows] = logits.max(dim=-1)  # (c,) each
-            picked = logits.gather(1, t[:, None])[:, 0] - top  # (c,) target logit - max
+            picked = logits.gather(1, t) - top[:, None]  # (c, J) target logits - max
             exps = logits.sub_(top[:, None]).exp_()  # in place: exp(logit - max)
             sums = exps.sum(dim=-1)  # (c,)
-            total += ((sums.log() - picked) * w).sum()
+            total += ((sums.log() - (picked * p).sum(dim=1)) * w).sum()
+            q_at[s:s + chunk_rows] = picked.exp() / sums[:, None]
             if need_grad:
                 exps.mul_((w / sums)[:, None])  # w * softmax
-                exps[torch.arange(len(t), device=t.device), t] -= w
+                exps.scatter_add_(1, t, -(w[:, None] * p))
                 grad[s:s + chunk_rows] = (products[:c].copy_(exps) @ weight).to(grad.dtype)
-        ctx.mark_non_differentiable(best)
+        ctx.mark_non_differentiable(best, q_at)
         if need_grad:
             ctx.save_for_backward(grad)
-        return total, best
+        return total, best, q_at
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_best):
+    def backward(ctx, grad_total, _grad_best, _grad_q):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None
 
 
 def drafter_loss(drafter: DFlashDrafter, embed_weight: torch.Tensor, head: DraftHead, batches: Batch | list[Batch],
-                 gamma: float, chunk_rows: int = LOSS_CHUNK_ROWS) -> tuple[torch.Tensor, dict]:
+                 gamma: float, chunk_rows: int = LOSS_CHUNK_ROWS, distill: float = 0.0,
+                 distill_temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
     """Weighted cross-entropy over slots 1..B-1 (draft vocabulary only) and per-slot accuracy.
 
     `batches`: one batch, or several (sequences grouped by length, each padded only to its own
     longest) whose blocks form one loss. `embed_weight` and `head` are the target's, frozen (no
     gradient is taken for them). Returns the loss (weighted mean over slots of positive weight) and
     `{"correct", "valid"}` `(NA, B-1)` bool over all blocks, `correct` meaning the greedy draft
-    (argmax over `head`'s rows) equals the label.
+    (argmax over `head`'s rows) equals the label. When the batches carry the target's soft labels, also
+    `"accept"` `(NA, B-1)`: `sum min(p, q)` over the cached ids at T = 1, the probability that rejection
+    sampling keeps a draft drawn from the drafter's `q` (a lower bound: mass beyond the `K` ids is left
+    out). `distill` in [0, 1] mixes the target's tempered distribution into every slot's target
+    (it needs soft labels).
     """
     bsz = drafter.config.block_size
     batches = [batches] if isinstance(batches, Batch) else batches
@@ -199,18 +228,39 @@ def drafter_loss(drafter: DFlashDrafter, embed_weight: torch.Tensor, head: Draft
     slot_weight = torch.exp(-torch.arange(bsz - 1, dtype=torch.float32, device=labels.device) / gamma)  # exp(-(k-1)/g)
     weight = slot_weight[None, :] * (valid & (rows >= 0))  # (NA, B-1)
     picked = (weight > 0).flatten()
-    total, best = _ChunkedHeadCrossEntropy.apply(hidden.flatten(0, 1)[picked], head.weight, rows.flatten()[picked],
-                                                 weight.flatten()[picked], chunk_rows)
+    cols = rows.clamp(min=0)[..., None]  # (NA, B-1, 1)
+    probs = torch.ones(cols.shape, dtype=torch.float32, device=cols.device)
+    soft = all(b.soft_ids is not None for b in batches)
+    if distill and not soft:
+        raise ValueError("distillation needs the target's soft labels in every batch")
+    if soft:
+        ids, logprobs = (torch.cat(parts) for parts in zip(*(block_soft_labels(b, bsz) for b in batches)))
+        soft_rows = head.rows(ids)  # (NA, B-1, K)
+        inside = soft_rows >= 0
+        target_p = logprobs.exp() * inside  # T = 1, for the acceptance estimate
+        tempered = (logprobs / distill_temperature).masked_fill(~inside, -math.inf).softmax(dim=-1).nan_to_num(0.0)
+        mix = torch.cat(((1.0 - distill) + distill * (1.0 - tempered.sum(-1, keepdim=True)), distill * tempered), -1)
+        cols = torch.cat((cols, soft_rows.clamp(min=0)), dim=-1)
+        probs = mix if distill else torch.cat((probs, torch.zeros_like(tempered)), -1)
+    total, best, q_at = _ChunkedHeadCrossEntropy.apply(hidden.flatten(0, 1)[picked], head.weight,
+                                                       cols.flatten(0, 1)[picked], probs.flatten(0, 1)[picked],
+                                                       weight.flatten()[picked], chunk_rows)
     loss = total / weight.sum().clamp(min=1e-6)
     correct = torch.zeros_like(picked)
     correct[picked] = best == rows.flatten()[picked]
-    return loss, {"correct": correct.view_as(valid), "valid": valid}
+    stats = {"correct": correct.view_as(valid), "valid": valid}
+    if soft:
+        accept = torch.zeros(picked.shape, dtype=torch.float32, device=picked.device)
+        accept[picked] = torch.minimum(target_p.flatten(0, 1)[picked], q_at[:, 1:]).sum(dim=1)
+        stats["accept"] = accept.view_as(valid)
+    return loss, stats
 
 
 def simulated_tau(correct: torch.Tensor, valid: torch.Tensor) -> float:
-    """Mean of 1 + leading correct slots per block (blocks with a full valid window only)."""
+    """Mean of 1 + leading correct slots per block (blocks with a full valid window only); `correct` may
+    also be per-slot acceptance probabilities, giving the expected `1 + sum_k prod_{j<=k} a_j`."""
     full = valid.all(dim=1)
     if not bool(full.any()):
         return math.nan
-    leading = correct[full].long().cumprod(dim=1).sum(dim=1)
-    return float((1 + leading).float().mean())
+    leading = correct[full].double().cumprod(dim=1).sum(dim=1)
+    return float((1 + leading).mean())

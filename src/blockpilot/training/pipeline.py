@@ -18,7 +18,7 @@ from blockpilot.models.config import DecoderConfig, DrafterConfig, check_drafter
 from blockpilot.models.dflash import DFlashDrafter
 from blockpilot.text import load_tokenizer
 from blockpilot.training.data import read_answer_rows, regenerate_answers, tokenize_rows
-from blockpilot.training.features import cached_taps, extract_taps, load_cached_taps
+from blockpilot.training.features import cached_taps, extract_features, load_cached_taps
 from blockpilot.training.objective import default_gamma
 from blockpilot.training.trainer import MAX_STEPS_UNSET, TrainConfig, TrainData, Trainer
 
@@ -38,6 +38,12 @@ def _check_args(args) -> list:
     loaded here so that a bad file, an evaluation set or a leaked prompt fails before any work."""
     if not args.time_budget or args.time_budget <= 0:
         raise UserError(f"--time-budget must be a positive number of minutes (got {args.time_budget})")
+    if not 0.0 <= args.distill <= 1.0:
+        raise UserError(f"--distill must be between 0 and 1 (got {args.distill}); 0 trains on hard labels only")
+    if args.distill and args.distill_top_k < 1:
+        raise UserError(f"--distill-top-k must be >= 1 (got {args.distill_top_k})")
+    if args.distill and args.distill_temperature <= 0:
+        raise UserError(f"--distill-temperature must be > 0 (got {args.distill_temperature})")
     if args.block_size < 2:
         raise UserError(f"--block-size must be >= 2 for a drafter (got {args.block_size})")
     if not args.answers and not (args.prompts and args.regenerate > 0):
@@ -76,18 +82,21 @@ def _features(args, prompts, target, tokenizer, target_dir: Path, work_dir: Path
         "target": str(Path(target_dir).resolve()), "taps": list(tap_layers), "max_len": args.max_len,
         "rows": hashlib.sha256("".join(r["prompt"] + r["answer"] for r in rows).encode()).hexdigest(),
     }, sort_keys=True).encode()).hexdigest()[:16]
+    top_k = args.distill_top_k if args.distill else 0
     on_cpu = torch.device(args.device).type == "cpu"  # on a GPU recomputing takes seconds; writing tens of GB does not
-    cached = load_cached_taps(work_dir / "features", key) if on_cpu else None
+    cached = load_cached_taps(work_dir / "features", key, top_k) if on_cpu else None
     if cached is not None:
         return cached
     sequences = tokenize_rows(rows, tokenizer, args.max_len)
     if not on_cpu:
-        return sequences, extract_taps(target, sequences, tuple(tap_layers))
-    return sequences, cached_taps(work_dir / "features", target, sequences, tuple(tap_layers), key)
+        return (sequences, *extract_features(target, sequences, tuple(tap_layers), top_k=top_k))
+    return (sequences, *cached_taps(work_dir / "features", target, sequences, tuple(tap_layers), key, top_k=top_k))
 
 
 def train_drafter_from_args(args: argparse.Namespace) -> Path:
-    args.init_from = getattr(args, "init_from", None)  # namespaces built in code may predate the option
+    for name, default in (("init_from", None), ("distill", 0.0), ("distill_top_k", 32), ("distill_temperature", 1.0)):
+        if not hasattr(args, name):  # namespaces built in code may predate the option
+            setattr(args, name, default)
     prompts = _check_args(args)
     args.device = resolve_device(args.device)
     target_dir, mask_token_id = _resolve_target(args)
@@ -100,15 +109,16 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
     work_dir.mkdir(parents=True, exist_ok=True)
     _check_resume_target(work_dir, target.config, args.resume)
     tokenizer = load_tokenizer(target_dir)
-    sequences, taps = _features(args, prompts, target, tokenizer, target_dir, work_dir, config.target_layer_ids)
+    sequences, taps, soft = _features(args, prompts, target, tokenizer, target_dir, work_dir, config.target_layer_ids)
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed)).tolist()
-    items = [(sequences[i], taps[i]) for i in order]
+    items = [(sequences[i], taps[i]) if soft is None else (sequences[i], taps[i], soft[i]) for i in order]
     data = TrainData(train=items[args.valid:], valid=items[: args.valid])
     drafter = drafter.to(args.device)
     train_config = TrainConfig(
         time_budget_s=args.time_budget * 60, max_steps=args.max_steps or MAX_STEPS_UNSET,
         sequences_per_step=args.sequences_per_step,
         anchors_per_sequence=args.anchors, lr=args.lr, gamma=args.gamma or default_gamma(args.block_size),
+        distill=args.distill, distill_temperature=args.distill_temperature,
         eval_every_s=args.eval_every * 60, checkpoint_every_s=args.checkpoint_every * 60,
         autocast=not args.no_autocast, seed=args.seed, device=args.device)
     trainer = Trainer(drafter, target, data, train_config, work_dir)
@@ -120,7 +130,7 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
                "init_from": str(args.init_from) if args.init_from else None,
                "answer_files": [str(path) for path in args.answers],
                "hardware": _hardware(args.device),
-               "answer_tokens": sum(len(s.ids) - s.answer_start for s, _ in data.train),
+               "answer_tokens": sum(len(item[0].ids) - item[0].answer_start for item in data.train),
                "config": dataclasses.asdict(train_config), "log": log, "wall_seconds_this_run": round(time.time() - began)}
     save_drafter(drafter.half(), args.out, extra_files={"training_log.json": json.dumps(summary, indent=1)})
     print(f"drafter written to {args.out} (steps {trainer.step}, simulated tau {log[-1].get('sim_tau')})")

@@ -40,6 +40,9 @@ class TrainConfig:
     warmup_frac: float = 0.04
     clip: float = 1.0
     gamma: float = 7.0
+    distill: float = 0.0
+    """Weight of the target's own distribution in every slot's target (0: hard labels only)."""
+    distill_temperature: float = 1.0
     eval_every_s: float = 300.0
     checkpoint_every_s: float = 600.0
     autocast: bool = True
@@ -59,33 +62,40 @@ class TrainConfig:
         return torch.bfloat16 if self.autocast else torch.float32
 
 
+Item = tuple  # (Sequence, taps (L, tH)) or (Sequence, taps, SoftLabels)
+"""One training sequence with its cached target features."""
+
+
 @dataclasses.dataclass
 class TrainData:
-    train: list[tuple[Sequence, torch.Tensor]]
-    valid: list[tuple[Sequence, torch.Tensor]]
+    train: list[Item]
+    valid: list[Item]
 
 
-def make_batch(items: list[tuple[Sequence, torch.Tensor]], anchors: int, generator: torch.Generator,
-               device: str = "cpu") -> Batch:
-    """Right-pad `items` (sequence, taps) and draw `anchors` anchors in each answer, on `device`.
+def make_batch(items: list[Item], anchors: int, generator: torch.Generator, device: str = "cpu") -> Batch:
+    """Right-pad `items` (sequence, taps[, soft labels]) and draw `anchors` anchors in each answer, on `device`.
 
     Anchors are drawn on the CPU with `generator` (so runs are reproducible on any device); the taps
     are padded where they live (GPU memory when the features were extracted there)."""
-    width = max(len(s.ids) for s, _ in items)
+    width = max(len(item[0].ids) for item in items)
     ids = torch.zeros(len(items), width, dtype=torch.long)
-    taps = torch.nn.utils.rnn.pad_sequence([tap for _, tap in items], batch_first=True)
+    taps = torch.nn.utils.rnn.pad_sequence([item[1] for item in items], batch_first=True)
+    soft_ids = soft_logprobs = None
+    if all(len(item) > 2 for item in items):
+        soft_ids = torch.nn.utils.rnn.pad_sequence([item[2].ids.long() for item in items], batch_first=True)
+        soft_logprobs = torch.nn.utils.rnn.pad_sequence([item[2].logprobs for item in items], batch_first=True)
     anchor_pos = torch.zeros(len(items), anchors, dtype=torch.long)
     valid = torch.zeros(len(items), anchors, dtype=torch.bool)
-    for row, (seq, _) in enumerate(items):
+    for row, (seq, *_) in enumerate(items):
         ids[row, : len(seq.ids)] = torch.tensor(seq.ids)
         drawn = sample_anchors(seq.answer_start, len(seq.ids), anchors, generator)
         anchor_pos[row, : len(drawn)] = drawn
         valid[row, : len(drawn)] = True
-    lengths = torch.tensor([len(s.ids) for s, _ in items])
-    return Batch(ids, taps, lengths, anchor_pos, valid).to(device)
+    lengths = torch.tensor([len(item[0].ids) for item in items])
+    return Batch(ids, taps, lengths, anchor_pos, valid, soft_ids, soft_logprobs).to(device)
 
 
-def make_length_groups(items: list[tuple[Sequence, torch.Tensor]], anchors: int, generator: torch.Generator,
+def make_length_groups(items: list[Item], anchors: int, generator: torch.Generator,
                        device: str = "cpu", group_size: int = 4) -> list[Batch]:
     """`items` sorted by length and cut into batches of `group_size`, each padded to its own longest:
     a block's attention spans its batch's padded length, so similar lengths waste little."""
@@ -102,18 +112,19 @@ def lr_factor(step: int, total: int, warmup_frac: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(drafter: DFlashDrafter, target: Decoder, data: list[tuple[Sequence, torch.Tensor]],
+def evaluate(drafter: DFlashDrafter, target: Decoder, data: list[Item],
              config: TrainConfig, head: DraftHead | None = None) -> dict:
     """Simulated tau and slot-1 accuracy on validation sequences (fixed anchors), overall and per data
     source (`sim_tau/<source>`) when there are several; drafts range over `head` (default: the
-    drafter's draft vocabulary of the target's lm_head)."""
+    drafter's draft vocabulary of the target's lm_head). With soft labels also `sim_tau_t1`: the expected
+    tau of drafts drawn from the drafter at T = 1 and accepted by rejection sampling (anchored, lower bound)."""
     head = head or DraftHead.of(drafter, target.lm_head.weight, config.compute_dtype)
     generator = torch.Generator().manual_seed(1234)
-    sources = sorted({seq.source for seq, _ in data})
-    correct, valid, per_source = [], [], {}
+    sources = sorted({item[0].source for item in data})
+    correct, valid, accept, per_source = [], [], [], {}
     for source in sources:
         items = [item for item in data if item[0].source == source]
-        c_src, v_src = [], []
+        c_src, v_src, a_src = [], [], []
         for start in range(0, len(items), config.sequences_per_step):
             batches = make_length_groups(items[start:start + config.sequences_per_step], 32, generator, config.device,
                                          config.length_group)
@@ -121,11 +132,16 @@ def evaluate(drafter: DFlashDrafter, target: Decoder, data: list[tuple[Sequence,
                 _, stats = drafter_loss(drafter, target.embed_tokens.weight, head, batches, config.gamma)
             c_src.append(stats["correct"])
             v_src.append(stats["valid"])
+            if "accept" in stats:
+                a_src.append(stats["accept"])
         per_source[f"sim_tau/{source or 'unnamed'}"] = simulated_tau(torch.cat(c_src), torch.cat(v_src))
         correct += c_src
         valid += v_src
+        accept += a_src
     c, v = torch.cat(correct), torch.cat(valid)
     metrics = {"sim_tau": simulated_tau(c, v), "slot1_acc": float(c[:, 0][v[:, 0]].float().mean())}
+    if len(accept) == len(correct):
+        metrics["sim_tau_t1"] = simulated_tau(torch.cat(accept), v)
     return {**metrics, **per_source} if len(sources) > 1 else metrics
 
 
@@ -179,7 +195,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = c.lr * self.lr_factor()
         with c.autocast_context():
-            loss, _ = drafter_loss(self.drafter, self.target.embed_tokens.weight, self.head, batches, c.gamma)
+            loss, _ = drafter_loss(self.drafter, self.target.embed_tokens.weight, self.head, batches, c.gamma,
+                                   distill=c.distill, distill_temperature=c.distill_temperature)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.clip)
