@@ -113,6 +113,8 @@ def test_distillation_trains_on_cached_soft_labels_and_logs_the_sampled_acceptan
     finally:
         features._tap_batches = real
     assert not extracted  # the cache made with soft labels served the hard-label run
+    hard = json.loads((tmp_path / "hard" / "training_log.json").read_text())
+    assert hard["config"]["distill"] == 0.0 and "sim_tau_t1" in hard["log"][-1]
 
 
 def test_a_run_bounded_only_by_its_time_budget_trains_and_stops(tmp_path, tiny_corpus):

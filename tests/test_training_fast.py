@@ -290,7 +290,8 @@ def test_taps_cached_on_disk_equal_the_taps_computed_in_memory(tmp_path):
 
 def test_cached_soft_labels_are_the_targets_most_likely_next_tokens(tmp_path):
     """With top_k the cache also holds, per position, the target's K most likely next ids and their
-    log-probabilities; a cache without them is rebuilt when they are asked for, and serves runs without."""
+    log-probabilities; a cache without them is rebuilt when they are asked for, and serves runs without
+    (which see its soft labels too)."""
     from blockpilot.training.features import cached_taps, load_cached_taps
 
     target, drafter = _tiny(tmp_path)
@@ -300,7 +301,8 @@ def test_cached_soft_labels_are_the_targets_most_likely_next_tokens(tmp_path):
     taps, soft = cached_taps(tmp_path / "cache", target, sequences, layers, "k", tokens_per_batch=64, top_k=4,
                              autocast=False)
     loaded = load_cached_taps(tmp_path / "cache", "k", top_k=4)
-    assert loaded is not None and load_cached_taps(tmp_path / "cache", "k") is not None
+    assert loaded is not None and load_cached_taps(tmp_path / "cache", "k")[2] is not None  # also for hard labels
+    assert load_cached_taps(tmp_path / "cache", "k", top_k=3) is None  # another K: not this cache
     for seq, labels, again in zip(sequences, soft, loaded[2]):
         n = len(seq.ids)
         with torch.no_grad():

@@ -126,16 +126,19 @@ def cached_taps(path: Path, target: Decoder, sequences: list[Sequence], tap_laye
 
 def load_cached_taps(path: Path, key: str, top_k: int = 0
                      ) -> tuple[list[Sequence], list[torch.Tensor], list[SoftLabels] | None] | None:
-    """The sequences, memory-mapped taps and (with `top_k > 0`) soft labels of a complete cache made for
-    `key` (and with `top_k` soft labels), else None."""
+    """The sequences, memory-mapped taps and soft labels of a complete cache made for `key`, else None.
+
+    With `top_k > 0` the cache must hold that many soft labels per position; with 0 any soft labels it
+    holds are returned too (a hard-label run then logs the same sampled-acceptance estimate), else None."""
     index = _read_json(path / INDEX_FILE)
     if (index is None or index.get("key") != key or not (path / TAPS_FILE).is_file()
             or not _complete(index, _done_batches(path, index))):
         return None
-    if top_k and (index.get("top_k") != top_k or not (path / SOFT_IDS_FILE).is_file()):
+    has = index.get("top_k", 0) if (path / SOFT_IDS_FILE).is_file() else 0
+    if top_k and has != top_k:
         return None
     sequences = [Sequence(tuple(s["ids"]), s["answer_start"], s.get("source", "")) for s in index["sequences"]]
-    soft = _soft_views(path, index["lengths"], top_k) if top_k else None
+    soft = _soft_views(path, index["lengths"], has) if has else None
     return sequences, _views(path / TAPS_FILE, index["lengths"], index["width"]), soft
 
 
