@@ -116,3 +116,22 @@ def test_bad_answer_options_end_in_one_line_and_exit_2(engine, target, tmp_path,
     err = capsys.readouterr().err.strip()
     assert message.replace("NOWHERE", "nowhere") in err and len(err.splitlines()) == 1
     assert not out.exists() or not out.read_text()
+
+
+def test_plain_decoding_runners_load_no_predictor_even_one_for_another_drafter(engine, tmp_path):
+    """`answer` decodes plainly, so it opens engine dirs without their predictor: it keeps working while a
+    new drafter's predictor is being labelled (the old one no longer fits the drafter)."""
+    from test_policy import _constant_predictor, _info
+
+    from blockpilot.errors import UserError
+    from blockpilot.runtime.runner import Runner
+
+    stale = _constant_predictor(tmp_path / "stale.onnx", _info(engine / "target", engine / "drafter",
+                                                                drafter_sha256="0" * 64, candidates=(3, 5)), [0.5, 0.5])
+    with pytest.raises(UserError, match="another drafter"):
+        Runner.from_engine_dir(engine, backend="onnxruntime", predictor=stale)
+    runner = Runner.from_engine_dir(engine, backend="onnxruntime", predictor=stale, use_predictor=False)
+    assert runner.policy is None
+    out = main(["answer", "--engine-dir", str(engine), "--prompts", str(_prompts_file(tmp_path, PROMPTS[:2])),
+                "--out", str(tmp_path / "a.jsonl"), "--max-new-tokens", "4"])
+    assert out == 0 and len(_rows(tmp_path / "a.jsonl")) == 2

@@ -109,7 +109,8 @@ def _onnxruntime_runner(args: argparse.Namespace):
         from blockpilot.builder.embedded import embedded_engine_dir
 
         engine_dir = embedded_engine_dir()
-    return Runner.from_engine_dir(engine_dir, backend="onnxruntime", threads=args.threads), engine_dir
+    # plain decoding: no predictor (the directory's may be for another drafter while a new one is labelled)
+    return Runner.from_engine_dir(engine_dir, backend="onnxruntime", threads=args.threads, use_predictor=False), engine_dir
 
 
 def _answer_with_runner(args: argparse.Namespace, prompts, sampling, runner, tokenizer_dir) -> None:

@@ -88,7 +88,8 @@ def default_block_size(manifest: Manifest) -> int:
 
 def open_engine_dir(engine_dir: str | Path, *, backend: str | None = None, device: str | None = None,
                     predictor: str | Path | None = None, predictor_threshold: float | None = None,
-                    threads: int | None = None, predictor_any_backend: bool = False) -> OpenedEngineDir:
+                    threads: int | None = None, predictor_any_backend: bool = False,
+                    use_predictor: bool = True) -> OpenedEngineDir:
     """Check `engine_dir` and open it.
 
     Args:
@@ -99,6 +100,7 @@ def open_engine_dir(engine_dir: str | Path, *, backend: str | None = None, devic
         predictor_threshold: overrides the predictor's fallback threshold.
         threads: onnxruntime intra-op threads (None: all cores).
         predictor_any_backend: accept a predictor labelled with another backend's or dtype's step costs.
+        use_predictor: False opens no predictor at all (plain decoding needs none).
 
     Returns:
         The backend, the block-size policy (None without a predictor) and the defaults.
@@ -111,7 +113,7 @@ def open_engine_dir(engine_dir: str | Path, *, backend: str | None = None, devic
     opened = _open_backend(choose_backend(manifest, backend), engine_dir, manifest, device, threads)
     policy = None
     predictor_path = predictor or (engine_dir / manifest.predictor if manifest.predictor else None)
-    if predictor_path is not None:
+    if predictor_path is not None and use_predictor:
         from blockpilot.runtime.policy import load_policy
 
         policy = load_policy(predictor_path, opened, target_dir=engine_dir / manifest.target_dir,

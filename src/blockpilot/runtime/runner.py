@@ -173,18 +173,20 @@ class Runner:
     @classmethod
     def from_engine_dir(cls, engine_dir: str | Path, *, backend: str | None = None, device: str | None = None,
                         predictor: str | Path | None = None, predictor_threshold: float | None = None,
-                        predictor_any_backend: bool = False, threads: int | None = None) -> "Runner":
+                        predictor_any_backend: bool = False, threads: int | None = None,
+                        use_predictor: bool = True) -> "Runner":
         """Load an engine directory written by `blockpilot build` (manifest and file hashes checked).
 
         `backend`: "torch", "onnxruntime", "tensorrt", or None for the fastest usable one. The
         directory's `predictor.onnx` (or `predictor`) makes block size "auto" the default.
-        `threads`: onnxruntime intra-op threads (None: all cores).
+        `threads`: onnxruntime intra-op threads (None: all cores). `use_predictor=False` loads no predictor
+        (plain decoding, e.g. `blockpilot answer`, needs none).
         """
         from blockpilot.runtime.engine_dir import open_engine_dir
 
         opened = open_engine_dir(engine_dir, backend=backend, device=device, predictor=predictor,
                                  predictor_threshold=predictor_threshold, predictor_any_backend=predictor_any_backend,
-                                 threads=threads)
+                                 threads=threads, use_predictor=use_predictor)
         return cls(opened.backend, policy=opened.policy, default_block_size=opened.default_block_size,
                    end_id=_read_eos_id(opened.target_dir))
 
