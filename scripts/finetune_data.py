@@ -1,14 +1,16 @@
-"""The training answers of the shipped drafter's CPU fine-tune, built from the answer files in `data/`.
+"""The training answers of the shipped drafter's CPU fine-tunes, built from the answer files in `data/`.
 
 Every answer the project holds except the prompts that the block-size predictor is labelled on
 (`scripts/make_predictor.sh` writes those sets to `runs/predictor/`) and, of the templated arithmetic
 word problems, all but 600 (they replay at tau ~6 already and would otherwise be a quarter of the data);
 shuffled. Nothing from HumanEval or MT-Bench is in any of the files.
 
+Stage 4 (session 16, the shipped weights) read all six files below: 12,669 answers.
+
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
-        --answers runs/finetune-answers.jsonl --out runs/b8-ft --block-size 8 --time-budget 65 \\
-        --sequences-per-step 16 --anchors 32 --lr 3e-4 --valid 64 --eval-every 10 --checkpoint-every 5
+        --answers runs/finetune-answers.jsonl --out runs/b8-ft --block-size 8 --time-budget 60 \\
+        --sequences-per-step 16 --anchors 32 --lr 2e-4 --valid 64 --eval-every 8 --checkpoint-every 5
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from blockpilot.training.data import read_answer_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-3574.jsonl.gz",
-           "data/smollm2-sharegpt-answers-1259.jsonl.gz"]
+           "data/smollm2-sharegpt-answers-1259.jsonl.gz", "data/smollm2-sharegpt-answers-open-818.jsonl.gz",
+           "data/smollm2-sharegpt-answers-open2-426.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
 MATH_KEPT = 600
