@@ -96,32 +96,28 @@ def cached_taps(path: Path, target: Decoder, sequences: list[Sequence], tap_laye
             f.truncate(sum(lengths) * width * 2)
         for f in soft_files if top_k else ():
             with open(f, "wb") as out:
-                out.truncate(sum(lengths) * top_k * 4)
+                out.truncate(sum(lengths) * top_k * 4)  # int32 / float32
         _write_progress(path, [])
         write_text_atomic(path / INDEX_FILE, json.dumps(index))
     done = _done_batches(path, index)
     if not _complete(index, done):
         total = sum(lengths)
         store = np.memmap(data, dtype=np.uint16, mode="r+", shape=(total, width))
-        soft_store = (np.memmap(soft_files[0], dtype=np.int32, mode="r+", shape=(total, top_k)),
-                      np.memmap(soft_files[1], dtype=np.float32, mode="r+", shape=(total, top_k))) if top_k else None
+        soft_store = _soft_maps(path, total, top_k, "r+") if top_k else None
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         for number, group, taps, soft in _tap_batches(target, sequences, tap_layers, tokens_per_batch, autocast, done,
                                                       top_k):
             for row, i in enumerate(group):
                 rows = slice(offsets[i], offsets[i + 1])
                 store[rows] = taps[row, : lengths[i]].cpu().view(torch.int16).numpy().view(np.uint16)
-                if soft_store is not None:
-                    soft_store[0][rows] = soft[0][row, : lengths[i]].cpu().numpy()
-                    soft_store[1][rows] = soft[1][row, : lengths[i]].cpu().numpy()
-            store.flush()
-            if soft_store is not None:
-                soft_store[0].flush()
-                soft_store[1].flush()
+                for part, values in zip(soft_store or (), soft or ()):
+                    part[rows] = values[row, : lengths[i]].cpu().numpy()
+            for part in (store, *(soft_store or ())):
+                part.flush()
             done.add(number)
             _write_progress(path, sorted(done))
         del store, soft_store
-    return _views(data, lengths, width), _soft_views(path, lengths, index.get("top_k", 0)) if top_k else None
+    return _views(data, lengths, width), _soft_views(path, lengths, top_k) if top_k else None
 
 
 def load_cached_taps(path: Path, key: str, top_k: int = 0
@@ -177,10 +173,14 @@ def _soft_views(path: Path, lengths: list[int], top_k: int) -> list[SoftLabels]:
     """Per-sequence soft labels as views into the cache's two files (copy-on-write maps)."""
     if not lengths:
         return []
-    ids = torch.from_numpy(np.memmap(path / SOFT_IDS_FILE, dtype=np.int32, mode="c", shape=(sum(lengths), top_k)))
-    logprobs = torch.from_numpy(np.memmap(path / SOFT_LOGPROBS_FILE, dtype=np.float32, mode="c",
-                                          shape=(sum(lengths), top_k)))
+    ids, logprobs = (torch.from_numpy(m) for m in _soft_maps(path, sum(lengths), top_k, "c"))
     return [SoftLabels(i, lp) for i, lp in zip(torch.split(ids, lengths), torch.split(logprobs, lengths))]
+
+
+def _soft_maps(path: Path, total: int, top_k: int, mode: str) -> tuple[np.memmap, np.memmap]:
+    """The cache's soft-label files as `(total, top_k)` int32 ids and float32 log-probabilities."""
+    return (np.memmap(path / SOFT_IDS_FILE, dtype=np.int32, mode=mode, shape=(total, top_k)),
+            np.memmap(path / SOFT_LOGPROBS_FILE, dtype=np.float32, mode=mode, shape=(total, top_k)))
 
 
 def _tokens_per_batch(target: Decoder, tokens_per_batch: int | None) -> int:

@@ -238,10 +238,13 @@ def drafter_loss(drafter: DFlashDrafter, embed_weight: torch.Tensor, head: Draft
         soft_rows = head.rows(ids)  # (NA, B-1, K)
         inside = soft_rows >= 0
         target_p = logprobs.exp() * inside  # T = 1, for the acceptance estimate
-        tempered = (logprobs / distill_temperature).masked_fill(~inside, -math.inf).softmax(dim=-1).nan_to_num(0.0)
-        mix = torch.cat(((1.0 - distill) + distill * (1.0 - tempered.sum(-1, keepdim=True)), distill * tempered), -1)
         cols = torch.cat((cols, soft_rows.clamp(min=0)), dim=-1)
-        probs = mix if distill else torch.cat((probs, torch.zeros_like(tempered)), -1)
+        if distill:  # p tempered and renormalised inside the draft vocabulary; with no soft id inside, the label
+            tempered = (logprobs / distill_temperature).masked_fill(~inside, -math.inf).softmax(-1).nan_to_num(0.0)
+            label_share = (1.0 - distill) + distill * (1.0 - tempered.sum(-1, keepdim=True))  # takes its share
+            probs = torch.cat((label_share, distill * tempered), -1)
+        else:  # the soft columns only feed the acceptance estimate
+            probs = torch.cat((probs, torch.zeros_like(target_p)), -1)
     total, best, q_at = _ChunkedHeadCrossEntropy.apply(hidden.flatten(0, 1)[picked], head.weight,
                                                        cols.flatten(0, 1)[picked], probs.flatten(0, 1)[picked],
                                                        weight.flatten()[picked], chunk_rows)
