@@ -9,6 +9,13 @@ Categories come from the `source` field of the prompts each dataset was labelled
 `meta.json`, rows matched by id; T > 0 datasets name the target's draws), or of the `--prompts` files given. With `--predictor`, `auto`
 is measured on the test split that `blockpilot train-predictor` held out (same seed and fractions), so
 train on the same datasets in the same order; the oracle and fixed columns there are of the same rows.
+
+`--test-prompts OUT.jsonl` writes the prompts of that test split (one line each, however many temperatures
+they were labelled at; `--test-from labels-t0` keeps those of the named datasets only), a prompt file for
+`blockpilot profile --dataset` that measures the predictor on requests it never fitted or stopped on:
+
+    python scripts/predictor_analysis.py --dataset runs/predictor/labels-t0 ... --test-prompts heldout-test.jsonl \
+        --test-from labels-t0
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--test-fraction", type=float, default=0.15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
+    p.add_argument("--test-prompts", type=Path, help="write the test split's prompts here (JSONL for `profile`)")
+    p.add_argument("--test-from", action="append", default=[],
+                   help="with --test-prompts: only prompts of this dataset (its directory name; repeatable)")
     return p.parse_args(argv)
 
 
@@ -61,12 +71,13 @@ def main(argv=None) -> int:
 
         table = read_step_costs(args.step_costs)
         datasets = [d.with_step_costs(table) for d in datasets]
-    sources = {}
+    from blockpilot.assets.prompts import load_jsonl_prompts
+
+    prompts = {}
     own = [Path(d.meta["prompts_file"]) for d in datasets if d.meta.get("prompts_file")]
     for path in args.prompts or [p for p in own if p.is_file()]:
-        from blockpilot.assets.prompts import load_jsonl_prompts
-
-        sources.update({p.id: p.category for p in load_jsonl_prompts(path)})
+        prompts.update({p.id: p for p in load_jsonl_prompts(path)})
+    sources = {i: p.category for i, p in prompts.items()}
     if args.block_sizes:
         sizes = tuple(int(k) for k in args.block_sizes.split(","))
         datasets = [d.restricted(sizes) for d in datasets]
@@ -75,6 +86,9 @@ def main(argv=None) -> int:
     temperature = data.temperature[:, 0].tolist()
     _, _, test = split_indices(len(data.labels), args.val_fraction, args.test_fraction, args.seed,
                                prompt_groups(data.features))
+    if args.test_prompts:
+        write_test_prompts(args.test_prompts, test, [(path.name, d) for path, d in zip(args.dataset, datasets)],
+                           prompts, set(args.test_from))
     chosen = {}
     for path in args.predictor:
         from blockpilot.runtime.policy import OnnxBlockSizePolicy
@@ -111,6 +125,25 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def write_test_prompts(out: Path, test: torch.Tensor, datasets, prompts: dict, only: set[str]) -> None:
+    """Write the test rows' prompts (first occurrence of each text) as profile's JSONL, `dataset` naming
+    the label dataset each came from; rows of datasets outside `only` (when given) are left out."""
+    origin = [(name, i) for name, d in datasets for i in d.ids]
+    lines, seen = [], set()
+    for row in sorted(test.tolist()):
+        name, prompt_id = origin[row]
+        prompt = prompts.get(prompt_id)
+        if (only and name not in only) or prompt is None or prompt.text in seen:
+            continue
+        seen.add(prompt.text)
+        lines.append(json.dumps({"id": prompt.id, "prompt": prompt.text, "category": prompt.category,
+                                 "dataset": name}, ensure_ascii=False))
+    if not lines:
+        raise SystemExit(f"no test-split prompts found{' in ' + ', '.join(sorted(only)) if only else ''}")
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"wrote {len(lines)} test-split prompts to {out}")
 
 
 def render(result: dict) -> str:

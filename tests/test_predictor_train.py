@@ -212,3 +212,35 @@ def test_rows_of_one_prompt_at_several_temperatures_fall_in_the_same_split():
     assert (len(sets[1]), len(sets[2])) == (8, 8)  # fractions count prompts, not rows
     ungrouped = split_indices(40, 0.2, 0.2, 3)
     assert all(torch.equal(a, b) for a, b in zip(split_indices(40, 0.2, 0.2, 3, prompt_groups(features)), ungrouped))
+
+
+def test_analysis_script_writes_the_test_split_prompts_of_the_named_dataset_only(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from blockpilot.predictor.train import assemble, prompt_groups, split_indices
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "predictor_analysis.py"
+    spec = importlib.util.spec_from_file_location("predictor_analysis", script)
+    analysis = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(analysis)
+    paths = []
+    for name, seed in (("labels-a", 0), ("labels-b", 1)):
+        path = tmp_path / name
+        write_dataset(path, n=60, seed=seed)
+        prompts = tmp_path / f"{name}.jsonl"
+        prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"{name} prompt {i}", "source": "code"}) + "\n"
+                                   for i in range(60)))
+        meta = json.loads((path / "meta.json").read_text())
+        write_json_atomic({**meta, "prompts_file": str(prompts)}, path / "meta.json")
+        paths.append(path)
+    out = tmp_path / "test.jsonl"
+    argv = [a for p in paths for a in ("--dataset", str(p))] + ["--test-prompts", str(out), "--test-from", "labels-b"]
+    assert analysis.main(argv) == 0
+    data = assemble([load_label_dataset(p) for p in paths], TrainSettings(objective="throughput"))
+    _, _, test = split_indices(len(data.labels), 0.15, 0.15, 0, prompt_groups(data.features))
+    expected = [f"labels-b prompt {i - 60}" for i in sorted(test.tolist()) if i >= 60]
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert expected and [w["prompt"] for w in written] == expected
+    assert {w["dataset"] for w in written} == {"labels-b"} and {w["category"] for w in written} == {"code"}
+    assert "test-split prompts" in capsys.readouterr().out
