@@ -8,6 +8,13 @@ same on every machine and a stopped `answer` run resumes over the same order.
 
     python scripts/open_sharegpt_prompts.py --out runs/sharegpt-open.jsonl
     blockpilot answer --prompts runs/sharegpt-open.jsonl --out runs/sharegpt-open-answers.jsonl --batch-size 16
+
+`--later-turns` lists the second and later user turns instead, each with its conversation so far
+(ShareGPT's own replies) as `messages`, the whole conversation at most `--max-chars` long; the target
+answers the last turn in that context (`blockpilot answer` reads the `messages` rows, and its rows
+keep the earlier turns as `history`, which `train-drafter` formats with the chat template):
+
+    python scripts/open_sharegpt_prompts.py --later-turns --out runs/sharegpt-later.jsonl
 """
 
 from __future__ import annotations
@@ -17,23 +24,31 @@ import json
 import random
 from pathlib import Path
 
-from blockpilot.assets.prompts import evaluation_texts, load_sharegpt
-from blockpilot.training.data import read_answer_rows
+from blockpilot.assets.prompts import evaluation_texts, load_sharegpt, load_sharegpt_later_turns
+from blockpilot.training.data import read_answer_rows, row_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def open_prompts(answer_files: list[Path], min_chars: int = 5, max_chars: int = 1500, seed: int = 0) -> list[dict]:
-    """ShareGPT first turns not answered in `answer_files` and not an evaluation prompt, shuffled (`seed`)."""
-    answered = {row["prompt"] for path in answer_files for row in read_answer_rows(path)}
+def open_prompts(answer_files: list[Path], min_chars: int = 5, max_chars: int = 1500, seed: int = 0,
+                 later_turns: bool = False) -> list[dict]:
+    """ShareGPT first turns (`later_turns`: later turns with their conversation, at most `max_chars`
+    in all) not answered in `answer_files` and not an evaluation prompt, shuffled (`seed`)."""
+    answered = {row_key(row) for path in answer_files for row in read_answer_rows(path)}
     evaluation = evaluation_texts()  # what `load_train_prompts` refuses
+    prompts = load_sharegpt_later_turns(max_chars) if later_turns else load_sharegpt()
     seen, rows = set(), []
-    for prompt in load_sharegpt():
-        text = prompt.text
-        if not min_chars <= len(text) <= max_chars or text in answered or text.strip() in evaluation or text in seen:
+    for prompt in prompts:
+        text, key = prompt.text, prompt.key
+        if not min_chars <= len(text) <= max_chars or key in answered or text.strip() in evaluation or key in seen:
             continue
-        seen.add(text)
-        rows.append({"id": f"sharegpt/{prompt.id}", "prompt": text, "source": "sharegpt"})
+        seen.add(key)
+        if prompt.history:
+            messages = [{"role": role, "content": content} for role, content in prompt.history]
+            rows.append({"id": f"sharegpt/{prompt.id}", "messages": messages + [{"role": "user", "content": text}],
+                         "source": "sharegpt"})
+        else:
+            rows.append({"id": f"sharegpt/{prompt.id}", "prompt": text, "source": "sharegpt"})
     random.Random(seed).shuffle(rows)
     return rows
 
@@ -42,13 +57,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--later-turns", action="store_true", help="second and later user turns, in context")
+    parser.add_argument("--max-chars", type=int, default=1500, help="longest prompt (with --later-turns: conversation)")
     args = parser.parse_args()
     files = sorted((ROOT / "data").glob("*.jsonl.gz"))
-    rows = open_prompts(files, seed=args.seed)
+    rows = open_prompts(files, max_chars=args.max_chars, seed=args.seed, later_turns=args.later_turns)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
-    print(f"{len(rows)} open ShareGPT first turns -> {args.out} (answered in {len(files)} files under data/ left out)")
+    kind = "later turns (in context)" if args.later_turns else "first turns"
+    print(f"{len(rows)} open ShareGPT {kind} -> {args.out} (answered in {len(files)} files under data/ left out)")
 
 
 if __name__ == "__main__":

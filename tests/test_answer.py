@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from blockpilot.cli import main
 
@@ -95,6 +96,53 @@ def test_sampled_answers_record_their_draw_and_resume_to_the_same_draws(engine, 
     assert main(["answer", "--backend", "torch", "--target", str(target), "--prompts", str(prompts), "--out",
                  str(torch_out), "--device", "cpu", "--seed", "5", *sampled]) == 0
     assert {r["temperature"] for r in _rows(torch_out)} == {1.5} and len(_rows(torch_out)) == len(PROMPTS)
+
+
+TURN_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }} {{ m['content'] }}.{% endfor %}"
+                 "{% if add_generation_prompt %}a{% endif %}")  # only characters of the tiny tokenizer
+
+
+def test_later_turns_are_answered_in_their_conversation_and_resume_by_conversation(engine, tmp_path):
+    from transformers import AutoTokenizer
+
+    from blockpilot.runtime.runner import Runner
+    from blockpilot.text import chat_prompt_ids
+    from blockpilot.training.data import answer_with_runner, read_answer_rows, tokenize_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(engine)
+    tokenizer.chat_template = TURN_TEMPLATE
+    runner = Runner.from_engine_dir(engine, backend="onnxruntime", use_predictor=False)
+    history = (("user", "hi"), ("assistant", "ok"))
+    out = tmp_path / "answers.jsonl"
+    answer = lambda: answer_with_runner(runner, tokenizer, ["x", "x", "hi"], max_new_tokens=5, batch_size=2,
+                                        out_path=out, sources=["chat"] * 3, histories=[(), history, ()])
+    answer()
+    rows = read_answer_rows(out)
+    assert len(rows) == 3  # "x" alone and "x" after the exchange are two prompts
+    later = next(r for r in rows if r.get("history"))
+    assert (later["prompt"], later["history"]) == ("x", [{"role": "user", "content": "hi"},
+                                                         {"role": "assistant", "content": "ok"}])
+    ids = chat_prompt_ids(tokenizer, "x", history=history)
+    assert ids != chat_prompt_ids(tokenizer, "x")
+    alone = runner.generate([torch.tensor(ids)], max_new_tokens=5, block_size=1, return_dict=True)
+    expected = alone["output_ids"][0, 0, len(ids): len(ids) + 5].tolist()
+    end = runner.end_id
+    assert later["answer_ids"] == (expected[: expected.index(end)] if end in expected else expected)
+    answer()  # resumes: every conversation is answered already
+    assert read_answer_rows(out) == rows
+    sequence = next(q for q, r in zip(tokenize_rows(rows, tokenizer, 40), rows) if r.get("history"))
+    assert list(sequence.ids[: sequence.answer_start]) == ids  # trained in its conversation
+
+
+def test_later_turns_without_a_chat_template_end_in_one_line_and_write_nothing(engine, tmp_path, capsys):
+    prompts = tmp_path / "later.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                                                {"role": "user", "content": "x"}]}) + "\n")
+    out = tmp_path / "answers.jsonl"
+    assert main(["answer", "--engine-dir", str(engine), "--prompts", str(prompts), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs the tokenizer's chat template" in err and len(err.splitlines()) == 1
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("extra, message", [

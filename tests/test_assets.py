@@ -254,6 +254,19 @@ def test_sharegpt_recovers_conversations_from_the_truncated_dump():
     assert [p.id for p in prompts.load_sharegpt(limit=3)] == [p.id for p in loaded[:3]]
 
 
+def test_sharegpt_later_turns_come_with_the_conversation_before_them_within_the_length():
+    later = prompts.load_sharegpt_later_turns(max_chars=1500)
+    assert len(later) > 4000 and {p.category for p in later} == {"chat"}
+    first_turns = {p.id: p.text for p in prompts.load_sharegpt()}
+    for prompt in later[:200]:
+        conversation, index = prompt.id.rsplit("/", 1)
+        assert int(index) == len(prompt.history) >= 2 and prompt.text.strip()
+        assert prompt.history[0] == ("user", first_turns[conversation])  # opens with the conversation's first turn
+        assert {role for role, _ in prompt.history} <= {"system", "user", "assistant"}
+        assert sum(len(c) for _, c in prompt.history) + len(prompt.text) <= 1500
+    assert len(prompts.load_sharegpt_later_turns()) > len(later)
+
+
 def test_load_dataset_resolves_names_and_paths(tmp_path):
     assert len(prompts.load_dataset("humaneval")) == 164
     assert len(prompts.load_dataset("mtbench")) == 80
@@ -295,6 +308,38 @@ def test_malformed_jsonl_line_is_a_user_error_naming_the_line(tmp_path, second_l
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "fine"}) + "\n" + second_line + "\n")
     with pytest.raises(UserError, match=message):
+        prompts.load_jsonl_prompts(path)
+
+
+def test_a_messages_line_is_its_last_user_turn_after_the_earlier_turns_and_reads_back_from_an_answer_row(tmp_path):
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "continue"}]
+    path = tmp_path / "later.jsonl"
+    answer_row = {"prompt": "continue", "history": turns[:3], "answer": "ok", "source": "chat"}
+    path.write_text(json.dumps({"id": "c/3", "messages": turns, "source": "chat"}) + "\n" + json.dumps(answer_row) + "\n"
+                    + json.dumps({"prompt": "continue"}) + "\n")
+    later, read_back, first = prompts.load_jsonl_prompts(path)
+    history = (("system", "Be brief."), ("user", "hi"), ("assistant", "hello"))
+    assert later == Prompt("c/3", "continue", "chat", history)
+    assert read_back.history == history and read_back.text == "continue"
+    assert first.history == () and first.key == "continue"
+    assert later.key == read_back.key != first.key  # the same words in another conversation are another prompt
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "\"messages\" must end with the user"),
+        ([{"role": "robot", "content": "hi"}, {"role": "user", "content": "go"}], r"\"messages\"\[0\] needs a role"),
+        ([{"role": "user", "content": " "}, {"role": "user", "content": "go"}], r"\"messages\"\[0\] needs a role"),
+        ("hi", "\"messages\" must be a list"),
+        ([], "\"messages\" must end with the user"),
+    ],
+)
+def test_a_malformed_conversation_line_is_a_user_error_naming_the_line(tmp_path, messages, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(UserError, match=r"bad\.jsonl:2: " + message):
         prompts.load_jsonl_prompts(path)
 
 

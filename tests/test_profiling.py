@@ -273,6 +273,19 @@ def test_packaged_prompt_sets_become_chat_template_requests(tiny):
         assert list(request.input_ids[-len(generation_prompt):]) == generation_prompt
 
 
+def test_a_later_turn_of_a_prompt_file_is_requested_in_its_conversation(tiny, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny[1])
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "go"}]
+    path = tmp_path / "turns.jsonl"
+    path.write_text(json.dumps({"id": "t", "messages": turns}) + "\n" + json.dumps({"id": "f", "prompt": "go"}) + "\n")
+    later, first = load_requests([str(path)], tokenizer)
+    rendered = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    assert list(later.input_ids) == list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert list(later.input_ids[-len(first.input_ids) + 1:]) == list(first.input_ids[1:])  # same last turn, after more
+
+
 # ---------------------------------------------------------------- statistics on hand-made rows
 
 

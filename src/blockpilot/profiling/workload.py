@@ -45,7 +45,7 @@ def load_requests(datasets: list[str], tokenizer, limit: int | None = None) -> l
     for name in datasets:
         label = name if name in DATASET_NAMES else Path(name).stem
         for prompt in load_dataset(name)[:limit]:
-            ids = chat_prompt_ids(tokenizer, prompt.text)
+            ids = chat_prompt_ids(tokenizer, prompt.text, history=prompt.history)
             if not ids:
                 raise UserError(f"prompt {prompt.id} of {name} tokenizes to nothing; remove it")
             requests.append(Request(prompt.id, label, prompt.category, tuple(ids)))

@@ -3,7 +3,9 @@
 A `Sequence` is the chat-formatted prompt followed by the target's answer, as token ids, with the
 index where the answer starts (loss is taken on answer tokens only). Answers either come from a
 JSONL file of `{"prompt", "answer", "finish"}` rows (what `blockpilot answer` writes, or the
-compressed files under `data/` as they are) or are regenerated here with batched greedy generation.
+compressed files under `data/` as they are; a row answering a later turn of a conversation also
+holds the turns before it, `"history": [{"role", "content"}, ...]`) or are regenerated here with
+batched greedy generation.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from blockpilot.assets.prompts import prompt_key
 from blockpilot.errors import UserError
 from blockpilot.text import chat_prompt_ids
 
@@ -57,7 +60,7 @@ def tokenize_rows(rows: list[dict], tokenizer, max_len: int) -> list[Sequence]:
     eos = tokenizer.eos_token_id
     sequences = []
     for row in rows:
-        prompt = chat_prompt_ids(tokenizer, row["prompt"])
+        prompt = chat_prompt_ids(tokenizer, row["prompt"], history=row_history(row))
         answer = row.get("answer_ids") or tokenizer(row["answer"], add_special_tokens=False)["input_ids"]
         if row.get("finish") == "stop" and eos is not None and answer[-1:] != [eos]:
             answer = answer + [eos]
@@ -67,37 +70,59 @@ def tokenize_rows(rows: list[dict], tokenizer, max_len: int) -> list[Sequence]:
     return sequences
 
 
+def row_history(row: dict) -> tuple[tuple[str, str], ...]:
+    """The earlier turns of an answers row as `(role, content)` pairs (empty for a first turn)."""
+    return tuple((turn["role"], turn["content"]) for turn in row.get("history") or ())
+
+
+def row_key(row: dict) -> str:
+    """`prompt_key` of an answers row: its prompt, with its conversation when it has one."""
+    return prompt_key(row["prompt"], row_history(row))
+
+
 def _answered_prompts(out_path: Path) -> set[str]:
-    """Prompts an answers file being appended to already holds (empty when it does not exist yet)."""
-    return {r["prompt"] for r in read_answer_rows(out_path)} if out_path.exists() and out_path.stat().st_size else set()
+    """Keys (`prompt_key`) of the prompts an answers file being appended to already holds (empty when
+    it does not exist yet)."""
+    return {row_key(r) for r in read_answer_rows(out_path)} if out_path.exists() and out_path.stat().st_size else set()
+
+
+def _todo(prompts: list[str], sources: list[str] | None, histories: list | None, done: set[str]) -> list[tuple]:
+    """`(prompt, source, history)` of the prompts whose key is not in `done`."""
+    sources = sources or [""] * len(prompts)
+    histories = histories or [()] * len(prompts)
+    items = [(p, sources[i], tuple(histories[i])) for i, p in enumerate(prompts)]
+    return [item for item in items if prompt_key(item[0], item[2]) not in done]
 
 
 def _answer_line(tokenizer, source: str, prompt: str, generated: list[int], end_id: int | None,
-                 sampled: dict | None = None) -> str:
+                 sampled: dict | None = None, history=()) -> str:
     """One answers-file row: the generated ids up to the end token (`finish` "stop"), else all of them;
-    a sampled answer also records how it was drawn (`sampled`: temperature, top_k, top_p, seed)."""
+    a sampled answer also records how it was drawn (`sampled`: temperature, top_k, top_p, seed), an
+    answer to a later turn the turns before it (`history`)."""
     stop = end_id is not None and end_id in generated
     answer_ids = generated[: generated.index(end_id)] if stop else generated
-    return json.dumps({"source": source, "prompt": prompt,
+    turns = {"history": [{"role": role, "content": content} for role, content in history]} if history else {}
+    return json.dumps({"source": source, "prompt": prompt, **turns,
                        "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
                        "answer_ids": answer_ids, "finish": "stop" if stop else "length", **(sampled or {})}) + "\n"
 
 
 def prompt_seed(seed: int, prompt: str) -> int:
-    """The sampling seed of one prompt's answer: fixed by `seed` and the prompt's text, so a resumed
-    or reordered run draws every answer as the first run would have."""
+    """The sampling seed of one prompt's answer: fixed by `seed` and the prompt's text (its `prompt_key`
+    for a later turn), so a resumed or reordered run draws every answer as the first run would have."""
     return (seed * 1_000_003 + zlib.crc32(prompt.encode())) % 2**63
 
 
 @torch.inference_mode()
 def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: int, batch_size: int,
                        out_path: Path, sources: list[str] | None = None, device: str = "cpu",
-                       time_budget_s: float | None = None) -> Path:
+                       time_budget_s: float | None = None, histories: list | None = None) -> Path:
     """Answer `prompts` with the target (fp32 greedy, batched by similar length, left padding) into JSONL.
 
     Appends to `out_path` one complete line per answer and skips prompts already answered there, so
     an interrupted run resumes. With `time_budget_s`, no new batch starts once the budget is spent.
-    Each row holds `source, prompt, answer, answer_ids, finish` ("stop" at the end token, else "length").
+    Each row holds `source, prompt, answer, answer_ids, finish` ("stop" at the end token, else "length"),
+    and `history` where `histories` gives the prompt earlier turns of its conversation.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -105,9 +130,8 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
-    done = _answered_prompts(out_path)
-    sources = sources or [""] * len(prompts)
-    todo = [(chat_prompt_ids(tokenizer, p), p, sources[i]) for i, p in enumerate(prompts) if p not in done]
+    todo = [(chat_prompt_ids(tokenizer, p, history=h), p, source, h)
+            for p, source, h in _todo(prompts, sources, histories, _answered_prompts(out_path))]
     todo.sort(key=lambda item: len(item[0]))  # similar lengths share a batch: little padding
     with out_path.open("a") as out, tqdm(total=len(todo), desc="answering prompts", unit="prompt") as bar:
         for start in range(0, len(todo), batch_size):
@@ -115,13 +139,13 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
                 tqdm.write(f"time budget spent: {start} of {len(todo)} prompts answered; run again to resume")
                 break
             batch = todo[start:start + batch_size]
-            width = max(len(e) for e, _, _ in batch)
-            ids = torch.tensor([[pad_id] * (width - len(e)) + e for e, _, _ in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e, _, _ in batch], device=device)
+            width = max(len(item[0]) for item in batch)
+            ids = torch.tensor([[pad_id] * (width - len(e)) + e for e, *_ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e, *_ in batch], device=device)
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id)
-            for (_, prompt, source), row in zip(batch, gen[:, width:].tolist()):
-                out.write(_answer_line(tokenizer, source, prompt, row, tokenizer.eos_token_id))
+            for (_, prompt, source, history), row in zip(batch, gen[:, width:].tolist()):
+                out.write(_answer_line(tokenizer, source, prompt, row, tokenizer.eos_token_id, history=history))
             out.flush()
             bar.update(len(batch))
     return out_path
@@ -129,7 +153,8 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
 
 def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens: int, batch_size: int,
                        out_path: Path, sources: list[str] | None = None,
-                       time_budget_s: float | None = None, sampling=None, seed: int = 0) -> Path:
+                       time_budget_s: float | None = None, sampling=None, seed: int = 0,
+                       histories: list | None = None) -> Path:
     """Answer `prompts` with a runner's plain decoding (block size 1), continuously batched.
 
     The fast path on the CPU: an onnxruntime engine directory's target decodes up to `batch_size`
@@ -142,7 +167,7 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
     Greedy by default; with `sampling` (a `SamplingParams` at a temperature above 0) each answer is
     one draw from the target's distribution, its generator seeded with `prompt_seed(seed, prompt)`,
     and its row records `temperature`, `top_k`, `top_p` and `seed` (what `label --replay-answers`
-    checks before it replays sampled decoding on it).
+    checks before it replays sampled decoding on it). `histories` as for `regenerate_answers`.
     """
     from blockpilot.runtime.batching import BatchDecoder, GenerationRequest
     from blockpilot.runtime.sampling import SamplingParams
@@ -150,23 +175,22 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
     sampling = sampling or SamplingParams()
 
     began = time.perf_counter()
-    done = _answered_prompts(out_path)
-    sources = sources or [""] * len(prompts)
-    todo = [(p, sources[i]) for i, p in enumerate(prompts) if p not in done]
+    todo = [(p, source, h, chat_prompt_ids(tokenizer, p, history=h))  # encoded first: a bad prompt writes nothing
+            for p, source, h in _todo(prompts, sources, histories, _answered_prompts(out_path))]
     end_id = runner.end_id if runner.end_id is not None else tokenizer.eos_token_id
     decoder = BatchDecoder(runner, max_batch=batch_size)
-    in_flight: dict[int, tuple[str, str]] = {}
+    in_flight: dict[int, tuple] = {}
     skipped = 0
     with out_path.open("a") as out, tqdm(total=len(todo), desc="answering prompts", unit="prompt") as bar:
         while todo or in_flight:
             while todo and len(decoder) < decoder.max_batch and not (
                     time_budget_s is not None and time.perf_counter() - began > time_budget_s):
-                prompt, source = todo.pop(0)
-                request = GenerationRequest(chat_prompt_ids(tokenizer, prompt), max_new_tokens, block_size=1,
-                                            end_id=end_id, temperature=sampling.temperature, top_k=sampling.top_k,
-                                            top_p=sampling.top_p, seed=prompt_seed(seed, prompt))
+                prompt, source, history, ids = todo.pop(0)
+                request = GenerationRequest(ids, max_new_tokens, block_size=1, end_id=end_id,
+                                            temperature=sampling.temperature, top_k=sampling.top_k,
+                                            top_p=sampling.top_p, seed=prompt_seed(seed, prompt_key(prompt, history)))
                 try:
-                    in_flight[decoder.add(request)] = (prompt, source)
+                    in_flight[decoder.add(request)] = (prompt, source, history)
                 except UserError:  # prompt + max_new_tokens beyond the cache
                     skipped += 1
                     bar.update(1)
@@ -175,9 +199,11 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
             for event in decoder.step():
                 if not event.finished:
                     continue
-                prompt, source = in_flight.pop(event.request_id)
-                drawn = None if sampling.greedy else {**dataclasses.asdict(sampling), "seed": prompt_seed(seed, prompt)}
-                out.write(_answer_line(tokenizer, source, prompt, list(event.result.output_tokens), end_id, drawn))
+                prompt, source, history = in_flight.pop(event.request_id)
+                drawn = None if sampling.greedy else {**dataclasses.asdict(sampling),
+                                                      "seed": prompt_seed(seed, prompt_key(prompt, history))}
+                out.write(_answer_line(tokenizer, source, prompt, list(event.result.output_tokens), end_id, drawn,
+                                       history))
                 out.flush()
                 bar.update(1)
     if todo:

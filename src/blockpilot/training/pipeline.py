@@ -17,7 +17,7 @@ from blockpilot.models.checkpoint import load_drafter, load_target, save_drafter
 from blockpilot.models.config import DecoderConfig, DrafterConfig, check_drafter_fits_target, default_target_layer_ids
 from blockpilot.models.dflash import DFlashDrafter
 from blockpilot.text import load_tokenizer
-from blockpilot.training.data import read_answer_rows, regenerate_answers, tokenize_rows
+from blockpilot.training.data import read_answer_rows, regenerate_answers, row_key, tokenize_rows
 from blockpilot.training.features import cached_taps, extract_features, load_cached_taps
 from blockpilot.training.objective import default_gamma
 from blockpilot.training.trainer import MAX_STEPS_UNSET, TrainConfig, TrainData, Trainer
@@ -71,7 +71,8 @@ def _gather_rows(args, prompts, target_dir: Path, work_dir: Path) -> list[dict]:
     if prompts:
         out = regenerate_answers(target_dir, [p.text for p in prompts], max_new_tokens=args.gen_max_new_tokens,
                                  batch_size=args.gen_batch_size, out_path=work_dir / "regenerated_answers.jsonl",
-                                 sources=[p.category for p in prompts], device=args.device)
+                                 sources=[p.category for p in prompts], device=args.device,
+                                 histories=[p.history for p in prompts])
         rows += read_answer_rows(out)
     return rows
 
@@ -80,7 +81,7 @@ def _features(args, prompts, target, tokenizer, target_dir: Path, work_dir: Path
     rows = _gather_rows(args, prompts, target_dir, work_dir)
     key = hashlib.sha256(json.dumps({
         "target": str(Path(target_dir).resolve()), "taps": list(tap_layers), "max_len": args.max_len,
-        "rows": hashlib.sha256("".join(r["prompt"] + r["answer"] for r in rows).encode()).hexdigest(),
+        "rows": hashlib.sha256("".join(row_key(r) + r["answer"] for r in rows).encode()).hexdigest(),
     }, sort_keys=True).encode()).hexdigest()[:16]
     top_k = args.distill_top_k if args.distill else 0
     on_cpu = torch.device(args.device).type == "cpu"  # on a GPU recomputing takes seconds; writing tens of GB does not
