@@ -20,7 +20,7 @@ import json
 import random
 from pathlib import Path
 
-from blockpilot.training.data import read_answer_rows
+from blockpilot.training.data import read_answer_rows, row_key
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-3574.jsonl.gz",
@@ -29,7 +29,7 @@ ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-35
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
 MATH_KEPT = 600
-KEYS = ("source", "prompt", "answer", "answer_ids", "finish")
+KEYS = ("source", "prompt", "history", "answer", "answer_ids", "finish")
 
 
 def main() -> None:
@@ -41,8 +41,8 @@ def main() -> None:
     if missing:
         raise SystemExit(f"error: {missing[0]} is missing; run scripts/make_predictor.sh first "
                          "(it writes the label sets before it labels)")
-    excluded = {row["prompt"] for path in LABEL_SETS for row in read_answer_rows(ROOT / path)}
-    rows = [row for path in ANSWERS for row in read_answer_rows(ROOT / path) if row["prompt"] not in excluded]
+    excluded = {row_key(row) for path in LABEL_SETS for row in read_answer_rows(ROOT / path)}
+    rows = [row for path in ANSWERS for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded]
     math = [row for row in rows if row.get("source") == "synthetic-math"]
     random.Random(args.seed).shuffle(math)
     kept = [row for row in rows if row.get("source") != "synthetic-math"] + math[:MATH_KEPT]
