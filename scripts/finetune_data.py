@@ -1,11 +1,13 @@
 """The training answers of the shipped drafter's CPU fine-tunes, built from the answer files in `data/`.
 
 Every answer the project holds except the prompts that the block-size predictor is labelled on
-(`scripts/make_predictor.sh` writes those sets to `runs/predictor/`) and, of the templated arithmetic
+(`scripts/make_predictor.sh` writes those sets to `runs/predictor/`), the later turns of conversations that open
+with one of them, and, of the templated arithmetic
 word problems, all but 600 (they replay at tau ~6 already and would otherwise be a quarter of the data);
 shuffled. Nothing from HumanEval or MT-Bench is in any of the files.
 
-Stage 4 (session 16, the shipped weights) read all six files below: 12,669 answers.
+Stages 4 and 5 (sessions 16 and 18; stage 5 is the shipped weights) read the five answer files below (and the
+CHAMP file for the label sets): 12,669 answers.
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -41,8 +43,12 @@ def main() -> None:
     if missing:
         raise SystemExit(f"error: {missing[0]} is missing; run scripts/make_predictor.sh first "
                          "(it writes the label sets before it labels)")
-    excluded = {row_key(row) for path in LABEL_SETS for row in read_answer_rows(ROOT / path)}
-    rows = [row for path in ANSWERS for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded]
+    label_rows = [row for path in LABEL_SETS for row in read_answer_rows(ROOT / path)]
+    excluded = {row_key(row) for row in label_rows}
+    # a later turn whose conversation opens with a label-set prompt would show the drafter that prompt too
+    opening = {row["prompt"] for row in label_rows if not row.get("history")}
+    rows = [row for path in ANSWERS for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded
+            and not (row.get("history") and row["history"][0]["content"] in opening)]
     math = [row for row in rows if row.get("source") == "synthetic-math"]
     random.Random(args.seed).shuffle(math)
     kept = [row for row in rows if row.get("source") != "synthetic-math"] + math[:MATH_KEPT]
