@@ -22,7 +22,7 @@ import json
 import random
 from pathlib import Path
 
-from blockpilot.training.data import read_answer_rows, row_key
+from blockpilot.training.data import read_answer_rows, row_history, row_key
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-3574.jsonl.gz",
@@ -48,7 +48,7 @@ def main() -> None:
     # a later turn whose conversation opens with a label-set prompt would show the drafter that prompt too
     opening = {row["prompt"] for row in label_rows if not row.get("history")}
     rows = [row for path in ANSWERS for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded
-            and not (row.get("history") and row["history"][0]["content"] in opening)]
+            and not (row_history(row) and row_history(row)[0][1] in opening)]
     math = [row for row in rows if row.get("source") == "synthetic-math"]
     random.Random(args.seed).shuffle(math)
     kept = [row for row in rows if row.get("source") != "synthetic-math"] + math[:MATH_KEPT]
