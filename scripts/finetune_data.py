@@ -6,8 +6,9 @@ with one of them, and, of the templated arithmetic
 word problems, all but 600 (they replay at tau ~6 already and would otherwise be a quarter of the data);
 shuffled. Nothing from HumanEval or MT-Bench is in any of the files.
 
-Stages 4 and 5 (sessions 16 and 18; stage 5 is the shipped weights) read the five answer files below (and the
-CHAMP file for the label sets): 12,669 answers.
+Stages 4 and 5 (sessions 16 and 18) read the five answer files of `ANSWERS` (and the CHAMP file for the label
+sets): 12,669 answers (`--first-turns-only`, md5 99f6d9db...). Stage 6 (session 20) adds the target's answers to
+ShareGPT later turns, answered in conversation (`LATER_TURNS`).
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-3574.jsonl.gz",
            "data/smollm2-sharegpt-answers-1259.jsonl.gz", "data/smollm2-sharegpt-answers-open-818.jsonl.gz",
            "data/smollm2-sharegpt-answers-open2-426.jsonl.gz"]
+LATER_TURNS = ["data/smollm2-sharegpt-answers-later-1724.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
 MATH_KEPT = 600
@@ -38,6 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first-turns-only", action="store_true",
+                        help="leave out the later-turn answers (stages 4 and 5's data, byte for byte)")
     args = parser.parse_args()
     missing = [p for p in LABEL_SETS if not (ROOT / p).exists()]
     if missing:
@@ -47,7 +51,8 @@ def main() -> None:
     excluded = {row_key(row) for row in label_rows}
     # a later turn whose conversation opens with a label-set prompt would show the drafter that prompt too
     opening = {row["prompt"] for row in label_rows if not row.get("history")}
-    rows = [row for path in ANSWERS for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded
+    files = ANSWERS + ([] if args.first_turns_only else LATER_TURNS)
+    rows = [row for path in files for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded
             and not (row_history(row) and row_history(row)[0][1] in opening)]
     math = [row for row in rows if row.get("source") == "synthetic-math"]
     random.Random(args.seed).shuffle(math)

@@ -126,6 +126,50 @@ def test_temperature_input_lets_one_predictor_serve_two_temperatures(tmp_path):
     assert policy.probabilities(features, temperature=1.0).argmax(1).tolist() == [4] * 4
 
 
+def test_temperature_heads_keep_greedy_and_sampled_outputs_apart():
+    """With two heads, a greedy request's output depends only on the greedy head and a T >= 1 one only on
+    the sampled head."""
+    torch.manual_seed(0)
+    mlp = BlockSizeMLP(8, 5, hidden=16, dropout=0.0, with_temperature=True, temperature_heads=True).eval()
+    x = torch.randn(3, 8)
+    cold, hot = (mlp(x, torch.full((3, 1), t)) for t in (0.0, 1.0))
+    with torch.no_grad():
+        mlp.head.weight.add_(1.0)
+    assert torch.equal(mlp(x, torch.ones(3, 1)), hot)
+    assert not torch.allclose(mlp(x, torch.zeros(3, 1)), cold)
+    with torch.no_grad():
+        mlp.head.weight.sub_(1.0)
+        mlp.head_sampled.weight.add_(1.0)
+    assert torch.allclose(mlp(x, torch.zeros(3, 1)), cold)
+    assert not torch.allclose(mlp(x, torch.ones(3, 1)), hot)
+    with pytest.raises(ValueError):
+        BlockSizeMLP(8, 5, temperature_heads=True)
+
+
+def test_temperature_heads_learn_a_sampled_choice_that_the_greedy_labels_contradict(tmp_path):
+    """Five prompt clusters, each best at its own size at T = 0; at T = 1 every prompt is best at 6. The
+    predictor with temperature heads follows the greedy labels at T = 0 and the sampled ones at T = 1, and
+    its report breaks the test split down by temperature."""
+    n = 240
+    clusters = torch.randint(0, len(CANDIDATES), (n,), generator=torch.Generator().manual_seed(3))
+    write_dataset(tmp_path / "t0", n=n, seed=3, temperature=0.0, classes=clusters)
+    write_dataset(tmp_path / "t1", n=n, seed=3, temperature=1.0, classes=torch.zeros(n, dtype=torch.int64),
+                  feature_classes=clusters)
+    datasets = [load_label_dataset(tmp_path / "t0"), load_label_dataset(tmp_path / "t1")]
+    out = tmp_path / "heads.onnx"
+    report = train_predictor(datasets, TrainSettings(with_temperature=True, temperature_heads=True, **FAST), out)
+    by_t = report["splits"]["test"]["by_temperature"]
+    assert set(by_t) == {"0", "1"}
+    for t in ("0", "1"):
+        assert by_t[t]["tau"]["auto"] == pytest.approx(by_t[t]["tau"]["oracle"], rel=0.02)
+    assert report["metadata"]["temperature_heads"] == "true"
+    policy = OnnxBlockSizePolicy(out)
+    features = datasets[0].rows["pooled"][:40]
+    assert (policy.probabilities(features, temperature=0.0).argmax(1) == clusters[:40]).double().mean() > 0.9
+    assert policy.probabilities(features, temperature=1.0).argmax(1).tolist() == [0] * 40
+    assert "auto at T = 1" in report_paths(out)[1].read_text()
+
+
 def test_train_predictor_bad_inputs_end_in_one_line_and_exit_2(tmp_path, capsys):
     from fixtures import make_hf_target
 
@@ -142,6 +186,7 @@ def test_train_predictor_bad_inputs_end_in_one_line_and_exit_2(tmp_path, capsys)
         (["--dataset", str(tmp_path / "small")], "has 5 labelled prompts"),
         (["--dataset", str(tmp_path / "notes")], "is not a label dataset"),
         (["--dataset", str(tmp_path / "a"), "--val-fraction", "0.9"], "fractions must be"),
+        (["--dataset", str(tmp_path / "a"), "--temperature-heads"], "--temperature-heads needs --with-temperature"),
     ]
     for extra, message in cases:
         assert cli.main(base + extra) == 2

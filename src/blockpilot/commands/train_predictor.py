@@ -32,6 +32,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--hidden", type=int, default=2048, help="width of the MLP's hidden layer")
     p.add_argument("--dropout", type=float, default=0.2, help="dropout probability in training")
     p.add_argument("--with-temperature", action="store_true", help="take the sampling temperature as an input")
+    p.add_argument("--temperature-heads", action="store_true",
+                   help="with --with-temperature: one output head for greedy and one for sampled requests, mixed by "
+                   "the request's temperature (clamped to [0, 1]), so that greedy labels do not decide sampled choices")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=1e-2, help="AdamW weight decay")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per training batch")
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         check_dataset_models(dataset, args.target, args.drafter)
     settings = TrainSettings(
         objective=args.objective, features=args.features, hidden=args.hidden, dropout=args.dropout,
-        with_temperature=args.with_temperature, lr=args.lr, weight_decay=args.weight_decay,
+        with_temperature=args.with_temperature, temperature_heads=args.temperature_heads, lr=args.lr, weight_decay=args.weight_decay,
         batch_size=args.batch_size, max_epochs=args.max_epochs, patience=args.patience,
         val_fraction=args.val_fraction, test_fraction=args.test_fraction, threshold=args.threshold, seed=args.seed,
         candidates=args.block_sizes, loss=args.loss,

@@ -6,6 +6,16 @@
     h2 = h1 + dropout(relu(fc2(h1)))       residual second layer, (B, hidden)
     logits = head(h2)                      (B, K), one class per candidate block size
 
+With `temperature_heads` (and the temperature input) there are two heads, one for greedy requests and
+one for T >= 1, mixed by the clamped temperature t = min(max(T, 0), 1):
+
+    logits = (1 - t) head(h2) + t head_sampled(h2)
+
+so a T = 1 row trains only the sampled head and a greedy row only the greedy one, and what the
+greedy rows say about a prompt cannot outvote what its sampled rows say (a single temperature column
+in fc1 is one input among hundreds of standardised features, and regret on greedy rows pulled sampled
+requests to the greedy choice). Temperatures between 0 and 1 interpolate.
+
 The standardisation is part of the module (buffers), so the exported ONNX takes raw features,
 exactly what `blockpilot.runtime.policy.prefill_features` computes.
 """
@@ -25,19 +35,26 @@ class BlockSizeMLP(nn.Module):
         hidden: hidden width (released code: 2048).
         dropout: dropout probability after each hidden layer (released code: 0.2).
         with_temperature: take the sampling temperature `(B, 1)` as an extra input.
+        temperature_heads: a second head for sampled requests, mixed in by temperature (needs
+            `with_temperature`).
         mean, std: `(F,)` feature statistics of the training set (default: 0 and 1).
     """
 
     def __init__(self, in_features: int, num_classes: int, hidden: int = 2048, dropout: float = 0.2,
-                 with_temperature: bool = False, mean: torch.Tensor | None = None, std: torch.Tensor | None = None):
+                 with_temperature: bool = False, mean: torch.Tensor | None = None, std: torch.Tensor | None = None,
+                 temperature_heads: bool = False):
         super().__init__()
+        if temperature_heads and not with_temperature:
+            raise ValueError("temperature_heads needs with_temperature")
         self.with_temperature = with_temperature
+        self.temperature_heads = temperature_heads
         self.register_buffer("mean", torch.zeros(in_features) if mean is None else mean.float().clone())
         std = torch.ones(in_features) if std is None else std.float()
         self.register_buffer("std", torch.where(std > 1e-6, std, torch.ones_like(std)))  # constant features: 1
         self.fc1 = nn.Linear(in_features + int(with_temperature), hidden)
         self.fc2 = nn.Linear(hidden, hidden)
         self.head = nn.Linear(hidden, num_classes)
+        self.head_sampled = nn.Linear(hidden, num_classes) if temperature_heads else None
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, features: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,7 +64,10 @@ class BlockSizeMLP(nn.Module):
             x = torch.cat((x, temperature), dim=-1)
         h = self.dropout(torch.relu(self.fc1(x)))  # (B, hidden)
         h = h + self.dropout(torch.relu(self.fc2(h)))  # (B, hidden)
-        return self.head(h)  # (B, K)
+        if self.head_sampled is None:
+            return self.head(h)  # (B, K)
+        t = temperature.clamp(0.0, 1.0)  # (B, 1)
+        return (1 - t) * self.head(h) + t * self.head_sampled(h)  # (B, K)
 
 
 class ProbabilityModel(nn.Module):

@@ -7,6 +7,8 @@ Per split (validation and test), from the labelled tau and step times of each ro
                     per-prompt tau oracle, and the regret oracle - auto
     throughput      the same for the proxy tau / mean step seconds (tokens per second of decoding)
     thresholds      tau and throughput of auto falling back to B_train under each threshold
+    by_temperature  tau and throughput of auto, the best fixed candidate and the oracle among the
+                    rows labelled at each temperature (when the split holds more than one)
 
 Written next to the ONNX as `<name>.report.json` and `<name>.report.md`.
 """
@@ -81,9 +83,21 @@ def build_report(data, splits: dict[str, torch.Tensor], predict: Callable[[torch
         settings: its `TrainSettings`.
         history: `fit`'s summary; parity: torch vs onnxruntime max abs difference; metadata: its ONNX metadata.
     """
-    evaluated = {name: evaluate_split(predict(rows), data.labels[rows], data.tau[rows], data.throughput[rows],
-                                      data.candidates, data.b_train)
-                 for name, rows in splits.items() if name != "train" and len(rows)}
+    evaluated = {}
+    for name, rows in splits.items():
+        if name == "train" or not len(rows):
+            continue
+        probabilities = predict(rows)
+        evaluated[name] = evaluate_split(probabilities, data.labels[rows], data.tau[rows], data.throughput[rows],
+                                         data.candidates, data.b_train)
+        temperatures = data.temperature[rows, 0]
+        if len(temperatures.unique()) > 1:
+            chosen = probabilities.argmax(dim=1)
+            evaluated[name]["by_temperature"] = {
+                f"{float(t):g}": {"rows": int(at.sum()),
+                                  "tau": evaluate_choices(chosen[at], data.tau[rows][at], data.candidates),
+                                  "throughput": evaluate_choices(chosen[at], data.throughput[rows][at], data.candidates)}
+                for t in temperatures.unique() for at in [temperatures == t]}
     return {
         "settings": dataclasses.asdict(settings), "candidates": list(data.candidates), "b_train": data.b_train,
         "split_rows": {name: len(rows) for name, rows in splits.items()},
@@ -126,6 +140,11 @@ def render_markdown(report: dict, name: str) -> str:
         lines.append(f"| fixed {size} | {tau:.3f} | {throughput:.2f} |")
     for key in ("auto", "oracle"):
         lines.append(f"| **{key}** | {split['tau'][key]:.3f} | {split['throughput'][key]:.2f} |")
+    for t, part in split.get("by_temperature", {}).items():
+        best = max(part["throughput"]["fixed"], key=part["throughput"]["fixed"].get)
+        lines.append(f"| auto at T = {t} ({part['rows']} rows; best fixed {best}: tau {part['tau']['fixed'][best]:.3f}, "
+                     f"{part['throughput']['best_fixed']:.2f}; oracle {part['throughput']['oracle']:.2f}) "
+                     f"| {part['tau']['auto']:.3f} | {part['throughput']['auto']:.2f} |")
     regret = f"tau {split['tau']['regret']:.3f}, throughput {split['throughput']['regret']:.2f}"
     lines += ["", f"Regret vs oracle: {regret}.",
               "", "Confusion matrix (rows: oracle, columns: predicted; order " + str(report["candidates"]) + "):", ""]

@@ -39,6 +39,7 @@ class TrainSettings:
     hidden: int = 2048
     dropout: float = 0.2
     with_temperature: bool = False
+    temperature_heads: bool = False  # a second head for sampled requests (`BlockSizeMLP`); needs with_temperature
     lr: float = 1e-3
     weight_decay: float = 1e-2
     batch_size: int = 64
@@ -76,6 +77,8 @@ def assemble(datasets: list[LabelDataset], settings: TrainSettings) -> TrainingD
         raise UserError(f"unknown objective {settings.objective!r}; use one of {', '.join(OBJECTIVES)}")
     if settings.loss not in LOSSES:
         raise UserError(f"unknown loss {settings.loss!r}; use one of {', '.join(LOSSES)}")
+    if settings.temperature_heads and not settings.with_temperature:
+        raise UserError("--temperature-heads needs --with-temperature (label datasets at T = 0 and T > 0)")
     if settings.features not in FEATURE_KINDS:
         raise UserError(f"unknown feature kind {settings.features!r}; use one of {', '.join(FEATURE_KINDS)}")
     if settings.candidates is not None:
@@ -242,7 +245,8 @@ def train_predictor(datasets: list[LabelDataset], settings: TrainSettings, out: 
 def _new_model(data: TrainingData, train: torch.Tensor, settings: TrainSettings) -> BlockSizeMLP:
     x = data.features[train]
     return BlockSizeMLP(x.shape[1], len(data.candidates), settings.hidden, settings.dropout,
-                        settings.with_temperature, mean=x.mean(dim=0), std=x.std(dim=0) if len(x) > 1 else None)
+                        settings.with_temperature, mean=x.mean(dim=0), std=x.std(dim=0) if len(x) > 1 else None,
+                        temperature_heads=settings.temperature_heads)
 
 
 def _metadata(data: TrainingData, settings: TrainSettings, history: dict) -> dict[str, str]:
@@ -257,7 +261,8 @@ def _metadata(data: TrainingData, settings: TrainSettings, history: dict) -> dic
         cost_machine=costs["machine"] if costs else "",
     )
     return {
-        **info.to_metadata(), "hidden": str(settings.hidden), "rows": str(len(data.labels)), "loss": settings.loss,
+        **info.to_metadata(), "hidden": str(settings.hidden),
+        "temperature_heads": "true" if settings.temperature_heads else "false", "rows": str(len(data.labels)), "loss": settings.loss,
         **({"step_costs": json.dumps(costs)} if costs else {}),
         "temperatures": json.dumps(sorted({float(t) for t in data.temperature.flatten()})),
         "best_epoch": str(history["best_epoch"]),
