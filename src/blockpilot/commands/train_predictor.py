@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         check_dataset_models(dataset, args.target, args.drafter)
     settings = TrainSettings(
         objective=args.objective, features=args.features, hidden=args.hidden, dropout=args.dropout,
-        with_temperature=args.with_temperature, temperature_heads=args.temperature_heads, lr=args.lr, weight_decay=args.weight_decay,
+        with_temperature=args.with_temperature, temperature_heads=args.temperature_heads, lr=args.lr,
+        weight_decay=args.weight_decay,
         batch_size=args.batch_size, max_epochs=args.max_epochs, patience=args.patience,
         val_fraction=args.val_fraction, test_fraction=args.test_fraction, threshold=args.threshold, seed=args.seed,
         candidates=args.block_sizes, loss=args.loss,

@@ -12,9 +12,10 @@ one for T >= 1, mixed by the clamped temperature t = min(max(T, 0), 1):
     logits = (1 - t) head(h2) + t head_sampled(h2)
 
 so a T = 1 row trains only the sampled head and a greedy row only the greedy one, and what the
-greedy rows say about a prompt cannot outvote what its sampled rows say (a single temperature column
-in fc1 is one input among hundreds of standardised features, and regret on greedy rows pulled sampled
-requests to the greedy choice). Temperatures between 0 and 1 interpolate.
+greedy rows say about a prompt cannot outvote what its sampled rows say (with one temperature column
+in fc1, one input among hundreds of standardised features, they can). Temperatures between 0 and 1
+interpolate. Measured on the shipped predictor's labels it changed nothing (docs/predictor.md,
+session 20), so the shipped predictor has one head.
 
 The standardisation is part of the module (buffers), so the exported ONNX takes raw features,
 exactly what `blockpilot.runtime.policy.prefill_features` computes.
