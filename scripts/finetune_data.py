@@ -53,7 +53,7 @@ def main() -> None:
     opening = {row["prompt"] for row in label_rows if not row.get("history")}
     files = ANSWERS + ([] if args.first_turns_only else LATER_TURNS)
     rows = [row for path in files for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded
-            and not (row_history(row) and row_history(row)[0][1] in opening)]
+            and not any(content in opening for _, content in row_history(row)[:1])]
     math = [row for row in rows if row.get("source") == "synthetic-math"]
     random.Random(args.seed).shuffle(math)
     kept = [row for row in rows if row.get("source") != "synthetic-math"] + math[:MATH_KEPT]

@@ -48,7 +48,6 @@ class BlockSizeMLP(nn.Module):
         if temperature_heads and not with_temperature:
             raise ValueError("temperature_heads needs with_temperature")
         self.with_temperature = with_temperature
-        self.temperature_heads = temperature_heads
         self.register_buffer("mean", torch.zeros(in_features) if mean is None else mean.float().clone())
         std = torch.ones(in_features) if std is None else std.float()
         self.register_buffer("std", torch.where(std > 1e-6, std, torch.ones_like(std)))  # constant features: 1

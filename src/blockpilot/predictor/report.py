@@ -91,13 +91,14 @@ def build_report(data, splits: dict[str, torch.Tensor], predict: Callable[[torch
         evaluated[name] = evaluate_split(probabilities, data.labels[rows], data.tau[rows], data.throughput[rows],
                                          data.candidates, data.b_train)
         temperatures = data.temperature[rows, 0]
-        if len(temperatures.unique()) > 1:
-            chosen = probabilities.argmax(dim=1)
+        values = temperatures.unique()
+        if len(values) > 1:
+            chosen, tau, throughput = probabilities.argmax(dim=1), data.tau[rows], data.throughput[rows]
             evaluated[name]["by_temperature"] = {
                 f"{float(t):g}": {"rows": int(at.sum()),
-                                  "tau": evaluate_choices(chosen[at], data.tau[rows][at], data.candidates),
-                                  "throughput": evaluate_choices(chosen[at], data.throughput[rows][at], data.candidates)}
-                for t in temperatures.unique() for at in [temperatures == t]}
+                                  "tau": evaluate_choices(chosen[at], tau[at], data.candidates),
+                                  "throughput": evaluate_choices(chosen[at], throughput[at], data.candidates)}
+                for t in values for at in [temperatures == t]}
     return {
         "settings": dataclasses.asdict(settings), "candidates": list(data.candidates), "b_train": data.b_train,
         "split_rows": {name: len(rows) for name, rows in splits.items()},

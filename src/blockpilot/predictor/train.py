@@ -262,7 +262,8 @@ def _metadata(data: TrainingData, settings: TrainSettings, history: dict) -> dic
     )
     return {
         **info.to_metadata(), "hidden": str(settings.hidden),
-        "temperature_heads": "true" if settings.temperature_heads else "false", "rows": str(len(data.labels)), "loss": settings.loss,
+        "temperature_heads": "true" if settings.temperature_heads else "false", "rows": str(len(data.labels)),
+        "loss": settings.loss,
         **({"step_costs": json.dumps(costs)} if costs else {}),
         "temperatures": json.dumps(sorted({float(t) for t in data.temperature.flatten()})),
         "best_epoch": str(history["best_epoch"]),
