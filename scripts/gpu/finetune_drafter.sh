@@ -20,6 +20,7 @@
 #      logs) and job.log: at most 8 files, as a call may bring back.
 # Every phase is bounded so that the whole run ends before $DEADLINE seconds.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh"
 DEADLINE=${DEADLINE:-520}
 DEVICE=${DEVICE:-cuda}
 KEEP=${KEEP:-/tmp/keep}; G3=${G3:-.gpu3}; WORK=${WORK:-/tmp/bpwork}; OUT=${OUT:-/tmp/bpout}
@@ -55,18 +56,7 @@ for set in $PROMPT_SETS; do  # the budget stops new batches; the timeout is the 
   timeout $(python3 -c "print(int($minutes * 60 + 40))") python3 -m blockpilot answer --prompts "$prompts" \
     --out "$new" --batch-size "$batch" --time-budget "$minutes" --device "$DEVICE" --backend torch \
     ${ANSWER_LIMIT:+--limit $ANSWER_LIMIT} 2>&1 | tr '\r' '\n' | grep -v "^answering prompts: .*[0-9]/" | tee -a "$OUT/job.log"
-  python3 - "$new" <<'PY'  # a run killed mid-write can leave one broken last line
-import json, sys
-lines = open(sys.argv[1]).read().splitlines()
-good = []
-for line in lines:
-    try:
-        json.loads(line); good.append(line)
-    except ValueError:
-        pass
-open(sys.argv[1], "w").write("".join(l + "\n" for l in good))
-print(f"{len(good)} new answers ({len(lines) - len(good)} broken lines dropped)")
-PY
+  drop_broken_lines "$new"
 done
 log "new answers: $(wc -l < "$new") rows"
 gzip -c "$new" > "$OUT/new-answers.jsonl.gz"
@@ -90,16 +80,7 @@ log "training done"
 for run in $runs; do
   tr '\r' '\n' < "$WORK/train-$run.log" | grep -v "%|" > "$WORK/$run.train.log"
   grep '"sim_tau"\|drafter written\|Error\|error' "$WORK/$run.train.log" | tail -4 | tee -a "$OUT/job.log"
-  python3 - "$WORK/$run" "$WORK/$run.work/checkpoint" <<'PY'
-import pathlib, sys
-from blockpilot.models.checkpoint import load_drafter, save_drafter
-out, ckpt = map(pathlib.Path, sys.argv[1:])
-if not (out / "model.safetensors").is_file() and (ckpt / "model.safetensors").is_file():
-    log = ckpt.parent / "train_log.json"
-    save_drafter(load_drafter(ckpt).half(), out,
-                 extra_files={"training_log.json": log.read_text()} if log.is_file() else None)
-    print(f"{out}: packaged from the last checkpoint")
-PY
+  package_from_checkpoint "$WORK/$run" "$WORK/$run.work/checkpoint"
   [ -f "$WORK/$run/model.safetensors" ] && split -b 15M "$WORK/$run/model.safetensors" "$OUT/$run.safetensors.part_"
 done
 tar czf "$OUT/meta.tgz" -C "$WORK" $(cd "$WORK" && ls -d */config.json */training_log.json *.train.log 2>/dev/null)

@@ -12,6 +12,7 @@
 #      training logs) and job.log: at most 8 files, as a call may bring back.
 # Every phase is bounded so that the whole run ends before $DEADLINE seconds.
 set -uo pipefail
+source "$(dirname "$0")/lib.sh"
 DEADLINE=${DEADLINE:-560}        # seconds from start by which everything must be in $OUT
 DEVICE=${DEVICE:-cuda}
 BLOCKS=${BLOCKS:-"16 8"}
@@ -48,18 +49,7 @@ for prompts in $ANSWER_SETS; do  # the budget stops new batches; the timeout is 
     --out "$answers" --batch-size "$ANSWER_BATCH" --time-budget "$set_min" --device "$DEVICE" ${ANSWER_LIMIT:+--limit $ANSWER_LIMIT} \
     2>&1 | tr '\r' '\n' | grep -v "^answering prompts: .*[0-9]/" | tee -a "$OUT/job.log"
 done
-python3 - "$answers" <<'PY'  # a run killed mid-write can leave one broken last line
-import json, sys
-lines = open(sys.argv[1]).read().splitlines()
-good = []
-for line in lines:
-    try:
-        json.loads(line); good.append(line)
-    except ValueError:
-        pass
-open(sys.argv[1], "w").write("".join(l + "\n" for l in good))
-print(f"{len(good)} answers ({len(lines) - len(good)} broken lines dropped)")
-PY
+drop_broken_lines "$answers"
 log "answers ready: $(wc -l < "$answers") rows"
 
 budget=$(python3 -c "print(max(0.5, ($DEADLINE - $SECONDS - $SETUP_S - 25) / 60))")
@@ -81,16 +71,7 @@ done
 
 for b in $BLOCKS; do
   tr '\r' '\n' < "$WORK/train-b$b.log" | grep -v "%|" > "$WORK/b$b.train.log"
-  python3 - "$WORK/b$b" "$WORK/b$b.work/checkpoint" <<'PY'
-import pathlib, sys
-from blockpilot.models.checkpoint import load_drafter, save_drafter
-out, ckpt = map(pathlib.Path, sys.argv[1:])
-if not (out / "model.safetensors").is_file() and (ckpt / "model.safetensors").is_file():
-    log = ckpt.parent / "train_log.json"
-    save_drafter(load_drafter(ckpt).half(), out,
-                 extra_files={"training_log.json": log.read_text()} if log.is_file() else None)
-    print(f"{out}: packaged from the last checkpoint")
-PY
+  package_from_checkpoint "$WORK/b$b" "$WORK/b$b.work/checkpoint"
   if [ -f "$WORK/b$b/model.safetensors" ]; then
     split -b 12M "$WORK/b$b/model.safetensors" "$OUT/b$b.safetensors.part_"
   fi
