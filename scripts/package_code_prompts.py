@@ -16,13 +16,12 @@ The file depends on the installed package versions (the versions are written to 
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.metadata
 import json
 import random
 from pathlib import Path
 
-from blockpilot.assets.prompts import HUMANEVAL_INSTRUCTION, _documented_stubs, evaluation_texts, load_stdlib_code
+from blockpilot.assets.prompts import documented_function_prompts, evaluation_texts, load_stdlib_code
 from blockpilot.training.data import read_answer_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +40,10 @@ PACKAGES = {
 }
 
 
+def _is_test(rel: Path) -> bool:
+    return any(part.startswith(("test", "_test")) or part == "tests" for part in rel.parts)
+
+
 def package_prompts(site: Path, per_package: int, seed: int, skip: set[str]) -> tuple[list[dict], dict]:
     """Prompt rows from the packages under `site` and the versions read."""
     rows, versions, seen = [], {}, set(skip)
@@ -53,21 +56,10 @@ def package_prompts(site: Path, per_package: int, seed: int, skip: set[str]) -> 
         except importlib.metadata.PackageNotFoundError:
             continue
         found = []
-        for path in sorted(root.rglob("*.py")):
-            rel = path.relative_to(site)
-            if any(part.startswith(("test", "_test")) or part == "tests" for part in rel.parts):
-                continue
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
-                continue
-            module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-            for qualname, stub in _documented_stubs(tree):
-                text = f"{HUMANEVAL_INSTRUCTION}{stub}```"
-                if text not in seen:
-                    seen.add(text)
-                    found.append({"id": f"pkg/{module}.{qualname}", "prompt": text, "source": "package-code",
-                                  "category": "code"})
+        for qualname, text in documented_function_prompts(site, under=root, skip=_is_test):
+            if text not in seen:
+                seen.add(text)
+                found.append({"id": f"pkg/{qualname}", "prompt": text, "source": "package-code", "category": "code"})
         random.Random(f"{seed}/{name}").shuffle(found)
         rows += found[:per_package]
     random.Random(seed).shuffle(rows)

@@ -389,6 +389,26 @@ def test_stdlib_code_prompts_are_humaneval_style_stubs_disjoint_from_humaneval()
     assert prompts.load_train_prompts("stdlib-code") == stdlib
 
 
+def test_documented_function_prompts_cover_public_documented_functions_and_methods_of_a_package(tmp_path):
+    """The stdlib-code recipe on any folder of Python files (scripts/package_code_prompts.py): documented public
+    functions and methods become prompts named by module, the rest and skipped files do not."""
+    pkg = tmp_path / "pkg"
+    (pkg / "tests").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('def top(x):\n    """Return x doubled, for any number x."""\n    return 2 * x\n')
+    (pkg / "mod.py").write_text(
+        'def _private(a):\n    """A private helper that is documented."""\n\n'
+        'def bare(a):\n    return a\n\n'
+        'class Box:\n    def size(self) -> int:\n        """How many items the box holds now."""\n')
+    (pkg / "broken.py").write_text("def (:\n")
+    (pkg / "tests" / "test_mod.py").write_text('def check():\n    """A test helper with a docstring."""\n')
+    found = dict(prompts.documented_function_prompts(tmp_path, under=pkg, skip=lambda rel: "tests" in rel.parts))
+    assert sorted(found) == ["pkg.mod.Box.size", "pkg.top"]
+    assert found["pkg.top"] == (prompts.HUMANEVAL_INSTRUCTION + 'def top(x):\n    """Return x doubled, for any number '
+                                'x.\n    """\n```')
+    assert found["pkg.mod.Box.size"].startswith(prompts.HUMANEVAL_INSTRUCTION + "class Box:\n    def size(self) -> int:")
+    assert "pkg.tests.test_mod.check" in dict(prompts.documented_function_prompts(tmp_path, under=pkg))
+
+
 def test_evaluation_sets_and_missing_files_are_not_training_prompts(tmp_path):
     for name in ("humaneval", "mtbench"):
         with pytest.raises(UserError, match=f"{name} is an evaluation set"):

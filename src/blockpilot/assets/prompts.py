@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,15 +184,34 @@ def load_stdlib_code(limit: int | None = None) -> list[Prompt]:
     line) + "```". Test packages and GUI/tooling packages are skipped; files are read in sorted
     order, so the set is stable for a given Python version. Ids are "stdlib/<module>.<qualname>".
     """
-    import ast
     import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    for path in sorted(root.rglob("*.py")):
+    def skip(rel: Path) -> bool:
+        return any(part in _STDLIB_SKIP or part.startswith("test") for part in rel.parts)
+
+    for name, text in documented_function_prompts(root, skip=skip):
+        key = f"stdlib/{name}"
+        if text not in seen and key not in seen:  # a name defined twice (per platform): the first
+            seen |= {text, key}
+            prompts.append(Prompt(key, text, "code"))
+        if limit is not None and len(prompts) >= limit:
+            return prompts
+    return prompts
+
+
+def documented_function_prompts(root: Path, under: Path | None = None, skip=None) -> Iterator[tuple[str, str]]:
+    """("module.qualname", prompt) for the documented public functions and methods of the `.py` files under
+    `under` (default `root`), in sorted file order, as `load_stdlib_code` writes them: `HUMANEVAL_INSTRUCTION`
+    + signature and docstring + "```". Module names are relative to `root`; `skip(relative path)` leaves
+    files out; files that do not parse are skipped."""
+    import ast
+
+    for path in sorted((under or root).rglob("*.py")):
         rel = path.relative_to(root)
-        if any(part in _STDLIB_SKIP or part.startswith("test") for part in rel.parts):
+        if skip is not None and skip(rel):
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -199,13 +219,7 @@ def load_stdlib_code(limit: int | None = None) -> list[Prompt]:
             continue
         module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         for qualname, stub in _documented_stubs(tree):
-            text, key = f"{HUMANEVAL_INSTRUCTION}{stub}```", f"stdlib/{module}.{qualname}"
-            if text not in seen and key not in seen:  # a name defined twice (per platform): the first
-                seen |= {text, key}
-                prompts.append(Prompt(key, text, "code"))
-            if limit is not None and len(prompts) >= limit:
-                return prompts
-    return prompts
+            yield f"{module}.{qualname}", f"{HUMANEVAL_INSTRUCTION}{stub}```"
 
 
 def _documented_stubs(tree):
