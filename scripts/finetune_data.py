@@ -2,16 +2,15 @@
 
 Every answer the project holds except the prompts that the block-size predictor is labelled on
 (`scripts/make_predictor.sh` writes those sets to `runs/predictor/`), the later turns of conversations that open
-with one of them, and, of the templated arithmetic
-word problems, all but 600 (they replay at tau ~6 already and would otherwise be a quarter of the data);
-shuffled. Nothing from HumanEval or MT-Bench is in any of the files.
+with one of them, and, of the templated arithmetic word problems, all but 600 (they replay at tau ~6 already and
+would otherwise be a quarter of the data); shuffled. Nothing from HumanEval or MT-Bench is in any of the files.
 
 Stages 4 and 5 (sessions 16 and 18) read the five answer files of `ANSWERS` (and the CHAMP file for the label
-sets): 12,669 answers (`--first-turns-only`, md5 99f6d9db...). Stage 6 (session 20) adds the target's answers to
-ShareGPT later turns, answered in conversation (`LATER_TURNS`; the session-21 GPU fine-tune read this script's output at commit 82e8c43, when
-that file held 1,724 turns: 14,265 answers, md5 3e6d4a98...; with today's 2,171, `--no-package-code` gives
-14,683). Session 21 adds the target's answers to HumanEval-style prompts written from
-third-party packages' documented functions (`PACKAGE_CODE`).
+sets): 12,669 answers (`--first-turns-only`, md5 99f6d9db...). Session 20 added the target's answers to ShareGPT
+later turns, answered in conversation (`LATER_TURNS`); stage 6 (session 21, on a GPU) read this script's output at
+commit 82e8c43, when that file held 1,724 turns: 14,265 answers, md5 3e6d4a98... (with today's 2,171 turns,
+`--no-package-code` gives 14,683). Session 21 added the target's answers to HumanEval-style prompts written from
+third-party packages' documented functions (`PACKAGE_CODE`), which no stage has trained on yet.
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
