@@ -124,7 +124,7 @@ datasets=(--dataset "$RUNS/labels-t0" --dataset "$RUNS/labels-stdlib-t0" --datas
 for pair in $SAMPLED; do
   for name in heldout stdlib-300 sharegpt-new-300 sharegpt-open-300 champ; do datasets+=(--dataset "$RUNS/labels-$name-t${pair%%:*}"); done
 done
-temperature=$([[ -n "$SAMPLED" ]] && echo --with-temperature || true)
+temperature=$([[ -n "$SAMPLED" ]] && echo "--with-temperature --temperature-heads" || true)
 # --step-costs again: labels made earlier with another table are re-scored with this one
 "$BP" train-predictor "${datasets[@]}" --objective throughput --loss regret --features pooled --hidden 64 $temperature \
     --step-costs "$STEP_COSTS" \
