@@ -189,6 +189,7 @@ def load_stdlib_code(limit: int | None = None) -> list[Prompt]:
     root = Path(sysconfig.get_paths()["stdlib"])
     prompts: list[Prompt] = []
     seen: set[str] = set()
+
     def skip(rel: Path) -> bool:
         return any(part in _STDLIB_SKIP or part.startswith("test") for part in rel.parts)
 

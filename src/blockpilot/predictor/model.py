@@ -14,8 +14,9 @@ one for T >= 1, mixed by the clamped temperature t = min(max(T, 0), 1):
 so a T = 1 row trains only the sampled head and a greedy row only the greedy one, and what the
 greedy rows say about a prompt cannot outvote what its sampled rows say (with one temperature column
 in fc1, one input among hundreds of standardised features, they can). Temperatures between 0 and 1
-interpolate. Measured on the shipped predictor's labels it changed nothing (docs/predictor.md,
-session 20), so the shipped predictor has one head.
+interpolate. On session 20's labels it changed nothing; on session 21's (the stage-6 drafter) the
+one-head predictor sent code prompts to block 6 at T = 1 and the two-head one did not, so the shipped
+predictor has two heads (docs/predictor.md, sessions 20 and 21).
 
 The standardisation is part of the module (buffers), so the exported ONNX takes raw features,
 exactly what `blockpilot.runtime.policy.prefill_features` computes.
