@@ -23,11 +23,9 @@ import argparse
 import gzip
 import hashlib
 import json
-import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -133,6 +131,7 @@ def write_drafter_copy(drafter_dir: Path, ids: torch.Tensor, out_dir: Path) -> P
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    from blockpilot.files import staged_directory
     from blockpilot.models.checkpoint import DRAFT_VOCAB_KEY, load_drafter
 
     if out_dir.exists():
@@ -141,9 +140,7 @@ def write_drafter_copy(drafter_dir: Path, ids: torch.Tensor, out_dir: Path) -> P
     with safe_open(weights, "pt") as f:
         metadata = f.metadata()
     tensors = {k: v for k, v in load_file(weights).items() if k != DRAFT_VOCAB_KEY}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir) as tmp:
         shutil.copytree(drafter_dir, tmp, dirs_exist_ok=True)
         (tmp / "model.safetensors").unlink()  # a new file: never write through a hard link into the original
         save_file({**tensors, DRAFT_VOCAB_KEY: ids.contiguous()}, tmp / "model.safetensors", metadata=metadata)
@@ -152,10 +149,6 @@ def write_drafter_copy(drafter_dir: Path, ids: torch.Tensor, out_dir: Path) -> P
         if changed:
             raise RuntimeError(f"tensors changed while copying: {changed[:3]}")
         load_drafter(tmp)  # validates the ids against the drafter's vocabulary
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from blockpilot.errors import UserError
@@ -67,24 +65,19 @@ def mixed_tensors(a_dir: Path, b_dir: Path, alpha: float) -> dict:
 def write_mix(a_dir: Path, b_dir: Path, alpha: float, out_dir: Path) -> Path:
     from safetensors.torch import save_file
 
+    from blockpilot.files import staged_directory
     from blockpilot.models.checkpoint import load_drafter
 
     if out_dir.exists():
         raise UserError(f"{out_dir} exists; pass a new --out directory")
     tensors = mixed_tensors(a_dir, b_dir, alpha)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir) as tmp:
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         shutil.copyfile(a_dir / "config.json", tmp / "config.json")
         (tmp / "interpolation.json").write_text(json.dumps(
             {"a": str(a_dir), "b": str(b_dir), "alpha": alpha, "weights": "(1 - alpha) * a + alpha * b"},
             indent=1) + "\n")
         load_drafter(tmp)  # loads as a drafter (draft vocabulary checked)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

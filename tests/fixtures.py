@@ -1,7 +1,10 @@
-"""Tiny fixture models built in the test process: random HF targets and matching drafters."""
+"""Tiny fixture models built in the test process: random HF targets and matching drafters; the
+repository's scripts/ loaded as modules."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -9,6 +12,19 @@ import torch
 from blockpilot.models.checkpoint import save_drafter
 from blockpilot.models.config import DecoderConfig, DrafterConfig, default_target_layer_ids
 from blockpilot.models.dflash import DFlashDrafter
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """Import `scripts/<name>.py` as module `name` (registered in sys.modules while it executes, as
+    dataclasses need)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 """Devices the device-generic tests run on: CUDA too where a GPU is present."""

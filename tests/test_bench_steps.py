@@ -1,24 +1,17 @@
 """`scripts/bench_steps.py` (the step-cost instrument) runs end to end on a tiny model."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_steps.py"
+from fixtures import load_script
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_steps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def bench_steps_script():
+    return load_script("bench_steps")
 
 
 def test_step_costs_of_every_path_are_measured_for_every_k_with_a_table_and_json(tmp_path, capsys):
     out = tmp_path / "steps.json"
-    code = load_script().main(["--tiny", "--k-max", "4", "--context", "12", "--repeats", "1",
+    code = bench_steps_script().main(["--tiny", "--k-max", "4", "--context", "12", "--repeats", "1",
                                "--work", str(tmp_path), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())

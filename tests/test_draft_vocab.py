@@ -6,7 +6,6 @@ equal to plain decoding; checkpoints round-trip; bad ids are one-line user error
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -23,12 +22,11 @@ from blockpilot.training.evaluate import replay_accept_lengths
 
 from builder_fixtures import save_char_tokenizer
 from cli_fixtures import BYTE_VOCAB, byte_tokenizer, make_chat_target
-from fixtures import TINY, make_drafter, make_hf_target
+from fixtures import TINY, load_script, make_drafter, make_hf_target
 
 VOCAB = TINY["vocab_size"]
 DRAFT_VOCAB = torch.arange(41, VOCAB, 2)  # 28 ids, none below 41: a row index returned unmapped is caught
 PROMPTS = [[5, 17, 42, 8], [60], list(range(1, 14))]
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_vocab.py"
 
 
 def with_draft_vocab(drafter_dir: Path, ids: torch.Tensor | None, out: Path) -> Path:
@@ -247,11 +245,7 @@ def test_bad_draft_vocab_ids_in_a_checkpoint_end_generate_with_one_line_and_exit
 
 @pytest.fixture(scope="module")
 def draft_vocab_script():
-    spec = importlib.util.spec_from_file_location("draft_vocab", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["draft_vocab"] = module
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script("draft_vocab")
     sys.modules.pop("draft_vocab", None)
 
 

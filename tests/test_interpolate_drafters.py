@@ -5,9 +5,7 @@ exit status 2 and leave nothing behind."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,19 +14,14 @@ from safetensors.torch import load_file
 from blockpilot.models.checkpoint import DRAFT_VOCAB_KEY, load_drafter, save_drafter
 
 from builder_fixtures import save_char_tokenizer
-from fixtures import TINY, make_drafter, make_hf_target
+from fixtures import TINY, load_script, make_drafter, make_hf_target
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "interpolate_drafters.py"
 DRAFT_VOCAB = torch.arange(3, TINY["vocab_size"], 3)
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("interpolate_drafters", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["interpolate_drafters"] = module
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script("interpolate_drafters")
     sys.modules.pop("interpolate_drafters", None)
 
 

@@ -83,3 +83,25 @@ def test_learned_mask_embedding_round_trips_and_replaces_the_token_lookup(tmp_pa
     first = torch.randn(1, 1, 32)
     block = reloaded.block_embeddings(first, torch.zeros(32), 4)  # the token lookup would give zeros
     assert torch.equal(block[0, 0], first[0, 0]) and torch.equal(block[0, 1:], learned.expand(3, 32))
+
+
+def test_save_drafter_replaces_a_directory_whole_and_leaves_nothing_after_a_failure(tmp_path, monkeypatch):
+    from blockpilot.models import checkpoint
+
+    target_dir = make_hf_target(tmp_path, "llama")
+    drafter = load_drafter(make_drafter(tmp_path, target_dir))
+    out = checkpoint.save_drafter(drafter, tmp_path / "saved", extra_files={"note.txt": "first"})
+    (out / "stale.txt").write_text("from an earlier save")
+    checkpoint.save_drafter(drafter, out)  # replaced whole: no file of the earlier directory survives
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save_drafter(drafter, tmp_path / "never")
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save_drafter(drafter, out)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".never", ".saved", "never"))) == []
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

@@ -260,15 +260,11 @@ def test_rows_of_one_prompt_at_several_temperatures_fall_in_the_same_split():
 
 
 def test_analysis_script_writes_the_test_split_prompts_of_the_named_dataset_only(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
-
     from blockpilot.predictor.train import assemble, prompt_groups, split_indices
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "predictor_analysis.py"
-    spec = importlib.util.spec_from_file_location("predictor_analysis", script)
-    analysis = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(analysis)
+    from fixtures import load_script
+
+    analysis = load_script("predictor_analysis")
     paths = []
     for name, seed in (("labels-a", 0), ("labels-b", 1)):
         path = tmp_path / name

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from cli_fixtures import byte_tokenizer
+from fixtures import load_script
 from serving_fixtures import MODEL, free_port, healthy, make_served_dirs, reference_text, start_server, wait_until
 
 from blockpilot.serving.text import CompletionText, held_back
@@ -371,13 +372,7 @@ def test_held_back_is_the_longest_tail_that_starts_a_stop_string():
 
 
 def test_load_test_script_starts_a_server_and_reports_every_level_with_nothing_lost(dirs, tmp_path, capsys):
-    import importlib.util
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
-    spec = importlib.util.spec_from_file_location("load_test", script)
-    load_test = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = load_test  # dataclasses look their module up
-    spec.loader.exec_module(load_test)
+    load_test = load_script("load_test")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CHATS[:3]))
     out = tmp_path / "load.json"

@@ -4,23 +4,17 @@ when outputs or tokens differ."""
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from builder_fixtures import TINY_BLOCK_SIZES, TINY_MAX_SEQ_LEN, tiny_models
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_trt.py"
+from fixtures import load_script
 
 
 @pytest.fixture(scope="module")
 def check_trt():
-    spec = importlib.util.spec_from_file_location("check_trt", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["check_trt"] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script("check_trt")
     sys.modules.pop("check_trt", None)
 
 

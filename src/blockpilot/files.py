@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 PUBLIC_FILE_MODE = 0o644  # temporary files are created 0600; what we write is for everyone to read
@@ -31,4 +34,22 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def staged_directory(out_dir: Path, replace: bool = False) -> Iterator[Path]:
+    """Yield an empty sibling directory of `out_dir` to fill; on success it is renamed to `out_dir`
+    (which `replace=True` removes first), on any error it is removed: `out_dir` appears complete or
+    not at all."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield tmp
+        if replace and out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise

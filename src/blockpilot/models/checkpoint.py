@@ -10,9 +10,6 @@ A drafter's `model.safetensors` may carry two optional tensors besides the z-lab
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -20,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from blockpilot.errors import UserError
+from blockpilot.files import staged_directory
 from blockpilot.models.config import DecoderConfig, DrafterConfig, read_config_json
 from blockpilot.models.decoder import Decoder
 from blockpilot.models.dflash import DFlashDrafter
@@ -110,9 +108,7 @@ def load_drafter(model_dir: Path | str, dtype=torch.float32, max_positions: int 
 def save_drafter(drafter: DFlashDrafter, out_dir: Path | str, extra_files: dict[str, str] | None = None) -> Path:
     """Write `drafter` in z-lab format; the directory appears complete or not at all."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir, replace=True) as tmp:
         state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k != MASK_EMBEDDING_KEY}
         if drafter.mask_embedding is not None:
             state[MASK_EMBEDDING_KEY] = drafter.mask_embedding.detach().cpu().contiguous()
@@ -124,10 +120,4 @@ def save_drafter(drafter: DFlashDrafter, out_dir: Path | str, extra_files: dict[
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
