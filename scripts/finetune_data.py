@@ -10,7 +10,8 @@ sets): 12,669 answers (`--first-turns-only`, md5 99f6d9db...). Session 20 added 
 later turns, answered in conversation (`LATER_TURNS`); stage 6 (session 21, on a GPU) read this script's output at
 commit 82e8c43, when that file held 1,724 turns: 14,265 answers, md5 3e6d4a98... (with today's 2,171 turns,
 `--no-package-code` gives 14,683). Session 21 added the target's answers to HumanEval-style prompts written from
-third-party packages' documented functions (`PACKAGE_CODE`), which no stage has trained on yet.
+third-party packages' documented functions (`PACKAGE_CODE`); stage 7 (session 22) trained on those 7,168 with
+1,000 rows of stage 6's data, not on this script's output (see the drafter's MODEL_CARD).
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\

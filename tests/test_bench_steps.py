@@ -5,14 +5,10 @@ import json
 from fixtures import load_script
 
 
-def bench_steps_script():
-    return load_script("bench_steps")
-
-
 def test_step_costs_of_every_path_are_measured_for_every_k_with_a_table_and_json(tmp_path, capsys):
     out = tmp_path / "steps.json"
-    code = bench_steps_script().main(["--tiny", "--k-max", "4", "--context", "12", "--repeats", "1",
-                               "--work", str(tmp_path), "--json", str(out)])
+    code = load_script("bench_steps").main(["--tiny", "--k-max", "4", "--context", "12", "--repeats", "1",
+                                            "--work", str(tmp_path), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     paths = {p["name"]: p for p in result["paths"]}
