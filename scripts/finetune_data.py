@@ -17,6 +17,12 @@ third-party packages' documented functions (`PACKAGE_CODE`); stage 7 (session 22
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
         --answers runs/finetune-answers.jsonl --out runs/b8-ft --block-size 8 --time-budget 60 \\
         --sequences-per-step 16 --anchors 32 --lr 2e-4 --valid 64 --eval-every 8 --checkpoint-every 5
+
+A fine-tune on new answers that should not forget the old (stage 7's recipe, then written by hand): every row of
+the `--focus` files, then `--replay` rows of the rest, shuffled with `--seed`; average the result with its start
+(`scripts/interpolate_drafters.py`):
+
+    python scripts/finetune_data.py --focus data/<new answers>.jsonl.gz --replay 1000 --out runs/focus-mix.jsonl
 """
 
 from __future__ import annotations
@@ -40,6 +46,34 @@ MATH_KEPT = 600
 KEYS = ("source", "prompt", "history", "answer", "answer_ids", "finish")
 
 
+def training_rows(files: list[str], label_rows: list[dict]) -> list[dict]:
+    """The rows of `files` (paths under ROOT) that are not a label-set prompt and whose conversation
+    does not open with one."""
+    excluded = {row_key(row) for row in label_rows}
+    # a later turn whose conversation opens with a label-set prompt would show the drafter that prompt too
+    opening = {row["prompt"] for row in label_rows if not row.get("history")}
+    return [row for path in files for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded
+            and not any(content in opening for _, content in row_history(row)[:1])]
+
+
+def thin_math(rows: list[dict], seed: int) -> list[dict]:
+    """`rows` with only MATH_KEPT of their templated arithmetic problems (a seeded choice), shuffled."""
+    math = [row for row in rows if row.get("source") == "synthetic-math"]
+    random.Random(seed).shuffle(math)
+    kept = [row for row in rows if row.get("source") != "synthetic-math"] + math[:MATH_KEPT]
+    random.Random(seed + 1).shuffle(kept)
+    return kept
+
+
+def focused(focus: list[dict], rest: list[dict], replay: int, seed: int) -> list[dict]:
+    """A fine-tune on new data that holds on to the old: every row of `focus`, then `replay` rows of
+    `rest` (shuffled with `seed`; rows also in `focus` are not repeated)."""
+    keys = {row_key(row) for row in focus}
+    rest = [row for row in rest if row_key(row) not in keys]
+    random.Random(seed).shuffle(rest)
+    return focus + rest[:replay]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -48,28 +82,28 @@ def main() -> None:
                         help="leave out the later-turn answers (stages 4 and 5's data, byte for byte)")
     parser.add_argument("--no-package-code", action="store_true",
                         help="leave out the package-code answers")
+    parser.add_argument("--focus", action="append", default=[], metavar="FILE",
+                        help="an answers file under data/ to fine-tune on (repeatable): the output is all of its "
+                        "rows, then --replay rows of the rest (what stage 7 did by hand)")
+    parser.add_argument("--replay", type=int, default=1000, help="with --focus: rows of the rest that follow")
     args = parser.parse_args()
-    missing = [p for p in LABEL_SETS if not (ROOT / p).exists()]
+    missing = [p for p in LABEL_SETS + args.focus if not (ROOT / p).exists()]
     if missing:
-        raise SystemExit(f"error: {missing[0]} is missing; run scripts/make_predictor.sh first "
-                         "(it writes the label sets before it labels)")
+        hint = "run scripts/make_predictor.sh first (it writes the label sets before it labels)" \
+            if missing[0] in LABEL_SETS else "give a file under data/"
+        raise SystemExit(f"error: {missing[0]} is missing; {hint}")
     label_rows = [row for path in LABEL_SETS for row in read_answer_rows(ROOT / path)]
-    excluded = {row_key(row) for row in label_rows}
-    # a later turn whose conversation opens with a label-set prompt would show the drafter that prompt too
-    opening = {row["prompt"] for row in label_rows if not row.get("history")}
     files = ANSWERS + ([] if args.first_turns_only else LATER_TURNS)
     files += [] if args.first_turns_only or args.no_package_code else PACKAGE_CODE
-    rows = [row for path in files for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded
-            and not any(content in opening for _, content in row_history(row)[:1])]
-    math = [row for row in rows if row.get("source") == "synthetic-math"]
-    random.Random(args.seed).shuffle(math)
-    kept = [row for row in rows if row.get("source") != "synthetic-math"] + math[:MATH_KEPT]
-    random.Random(args.seed + 1).shuffle(kept)
+    kept = thin_math(training_rows([f for f in files if f not in args.focus], label_rows), args.seed)
+    if args.focus:
+        kept = focused(training_rows(args.focus, label_rows), kept, args.replay, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({k: row[k] for k in KEYS if k in row}) + "\n" for row in kept)
-    print(f"{len(kept)} answers ({len(kept) - min(len(math), MATH_KEPT)} others, {min(len(math), MATH_KEPT)} "
-          f"synthetic-math) -> {args.out}; {len(excluded)} label-set prompts left out")
+    math = sum(row.get("source") == "synthetic-math" for row in kept)
+    print(f"{len(kept)} answers ({len(kept) - math} others, {math} synthetic-math) -> {args.out}; "
+          f"{len({row_key(row) for row in label_rows})} label-set prompts left out")
 
 
 if __name__ == "__main__":
