@@ -11,7 +11,9 @@ later turns, answered in conversation (`LATER_TURNS`); stage 6 (session 21, on a
 commit 82e8c43, when that file held 1,724 turns: 14,265 answers, md5 3e6d4a98... (with today's 2,171 turns,
 `--no-package-code` gives 14,683). Session 21 added the target's answers to HumanEval-style prompts written from
 third-party packages' documented functions (`PACKAGE_CODE`); stage 7 (session 22) trained on those 7,168 with
-1,000 rows of stage 6's data, not on this script's output (see the drafter's MODEL_CARD).
+1,000 rows of stage 6's data, not on this script's output (see the drafter's MODEL_CARD). Session 23 added 2,117
+more later turns (`LATER_TURNS`' second file; no drafter has trained on them yet): the default output grew from
+21,851 rows (md5 74dfa294...) to 23,806 (md5 b9a13312...).
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -38,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-3574.jsonl.gz",
            "data/smollm2-sharegpt-answers-1259.jsonl.gz", "data/smollm2-sharegpt-answers-open-818.jsonl.gz",
            "data/smollm2-sharegpt-answers-open2-426.jsonl.gz"]
-LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz"]
+LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz", "data/smollm2-sharegpt-answers-later2-2117.jsonl.gz"]
 PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
