@@ -48,12 +48,10 @@ MATH_KEPT = 600
 KEYS = ("source", "prompt", "history", "answer", "answer_ids", "finish")
 
 
-def training_rows(files: list[str], label_rows: list[dict]) -> list[dict]:
-    """The rows of `files` (paths under ROOT) that are not a label-set prompt and whose conversation
-    does not open with one."""
-    excluded = {row_key(row) for row in label_rows}
-    # a later turn whose conversation opens with a label-set prompt would show the drafter that prompt too
-    opening = {row["prompt"] for row in label_rows if not row.get("history")}
+def training_rows(files: list[str], excluded: set[str], opening: set[str]) -> list[dict]:
+    """The rows of `files` (paths under ROOT) whose key is not in `excluded` (the label sets' prompts) and
+    whose conversation does not open with a prompt of `opening` (the label sets' first turns: a later turn
+    there would show the drafter that prompt too)."""
     return [row for path in files for row in read_answer_rows(ROOT / path) if row_key(row) not in excluded
             and not any(content in opening for _, content in row_history(row)[:1])]
 
@@ -95,17 +93,19 @@ def main() -> None:
             if missing[0] in LABEL_SETS else "give a file under data/"
         raise SystemExit(f"error: {missing[0]} is missing; {hint}")
     label_rows = [row for path in LABEL_SETS for row in read_answer_rows(ROOT / path)]
+    excluded = {row_key(row) for row in label_rows}
+    opening = {row["prompt"] for row in label_rows if not row.get("history")}
     files = ANSWERS + ([] if args.first_turns_only else LATER_TURNS)
     files += [] if args.first_turns_only or args.no_package_code else PACKAGE_CODE
-    kept = thin_math(training_rows([f for f in files if f not in args.focus], label_rows), args.seed)
+    kept = thin_math(training_rows([f for f in files if f not in args.focus], excluded, opening), args.seed)
     if args.focus:
-        kept = focused(training_rows(args.focus, label_rows), kept, args.replay, args.seed)
+        kept = focused(training_rows(args.focus, excluded, opening), kept, args.replay, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({k: row[k] for k in KEYS if k in row}) + "\n" for row in kept)
     math = sum(row.get("source") == "synthetic-math" for row in kept)
     print(f"{len(kept)} answers ({len(kept) - math} others, {math} synthetic-math) -> {args.out}; "
-          f"{len({row_key(row) for row in label_rows})} label-set prompts left out")
+          f"{len(excluded)} label-set prompts left out")
 
 
 if __name__ == "__main__":

@@ -32,11 +32,10 @@ def _write(path, rows):
 
 def test_label_set_prompts_and_conversations_opening_with_them_are_left_out(script, tmp_path, monkeypatch):
     monkeypatch.setattr(script, "ROOT", tmp_path)
-    label = _row("held back")
     rows = [_row("kept"), _row("held back"), _row("follow-up", history=[("user", "held back"), ("assistant", "x")]),
             _row("other follow-up", history=[("user", "kept"), ("assistant", "y")])]
     name = _write(tmp_path / "answers.jsonl", rows)
-    kept = script.training_rows([name], [label])
+    kept = script.training_rows([name], excluded={"held back"}, opening={"held back"})
     assert [row["prompt"] for row in kept] == ["kept", "other follow-up"]
 
 
