@@ -23,6 +23,7 @@ from blockpilot.assets.prompts import load_dataset
 from blockpilot.assets.smollm2 import smollm2_dir
 from blockpilot.models.checkpoint import load_drafter, load_target
 from blockpilot.runtime.runner import Runner
+from blockpilot.runtime.sampling import VERIFICATIONS
 from blockpilot.text import chat_prompt_ids
 from blockpilot.training.data import read_answer_rows, regenerate_answers
 from blockpilot.training.evaluate import anchored_tau, mean_tau, replay_block_sizes, sequence_taps
@@ -114,6 +115,8 @@ def main() -> None:
                     help="prompts per dataset at T=1, spread evenly over the set (0: skip)")
     ap.add_argument("--t1-max-new-tokens", type=int, default=64)
     ap.add_argument("--t1-block-sizes", help="default: --block-sizes")
+    ap.add_argument("--verification", choices=VERIFICATIONS, default="block",
+                    help="how T=1 drafts are judged: block verification (the runtime's default) or token by token")
     ap.add_argument("--answers-dir", type=Path, default=Path("runs/answers"))
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -128,8 +131,10 @@ def main() -> None:
     replay_sizes = parse_range(args.replay_block_sizes)
     # the Runner serves up to 2 x B_train by default; measuring larger sizes is the point here
     runner = Runner.from_dir(target_dir, drafter_dir=args.drafter, max_block_size=max([*t1_sizes, 2]))
+    runner.verification = args.verification
     args.answers_dir.mkdir(parents=True, exist_ok=True)
-    report = {"drafter": str(args.drafter), "max_new_tokens": args.max_new_tokens, "datasets": {}}
+    report = {"drafter": str(args.drafter), "max_new_tokens": args.max_new_tokens, "verification": args.verification,
+              "datasets": {}}
     for dataset in args.datasets.split(","):
         began = time.time()
         rows = greedy_rows(target_dir, dataset, args.answers_dir / f"{dataset}-greedy-{args.max_new_tokens}.jsonl",

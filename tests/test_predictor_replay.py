@@ -190,6 +190,7 @@ def test_sampled_replay_accepts_as_speculative_sampling_does(models, tmp_path, s
     ids = torch.tensor(chat_prompt_ids(load_tokenizer(target), PROMPTS[0]))
     runner = Runner.from_dir(target, drafter_dir=drafter)
     runner.sampled_drafts = sampled_drafts
+    runner.verification = "token"  # the rule the replay models (block verification keeps at least as many)
     common = dict(max_new_tokens=MAX_NEW, temperature=temperature, return_dict=True)  # the runner's end id
     decoded = runner.generate([ids] * draws, block_size=block, random_seed=0, **common)
     decoded_steps = torch.tensor([len(steps) for steps in decoded["accept_lengths"]], dtype=torch.float64)

@@ -45,6 +45,9 @@ def add_parser(subparsers) -> None:
                    help="comma list of ar, ar-1row (plain decoding without the padding row: the fastest, "
                         "rounds unlike verify steps), hf-ar, hf-dflash, hf-prompt-lookup; ar is always run")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--verification", choices=("block", "token"), default="block",  # runtime.sampling.VERIFICATIONS
+                   help="how our runner judges drafts drawn at T > 0: block verification (default; keeps the most "
+                        "tokens per step) or token by token (rejection sampling); both lossless")
     p.add_argument("--warmup", type=int, default=1, help="requests per system run before measuring")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (one per prompt, derived from it)")
     p.add_argument("--out", type=Path, required=True, help="report directory")
@@ -113,7 +116,7 @@ def _sources(args):
     m = resolve_models(args, peers=True)
     return ModelSources(m.target, m.drafter, m.engine_dir, m.backend if m.engine_dir else None, m.device,
                         torch_dtype(m.dtype), m.predictor, args.predictor_threshold, m.tokenizer,
-                        m.predictor_any_backend)
+                        m.predictor_any_backend, args.verification)
 
 
 def _names(text: str) -> list[str]:

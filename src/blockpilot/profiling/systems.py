@@ -74,6 +74,7 @@ class ModelSources:
         predictor_threshold: overrides the predictor's fallback threshold.
         tokenizer_dir: where the tokenizer is (None: `target_dir`).
         predictor_any_backend: accept a predictor labelled for another backend's or dtype's step costs.
+        verification: how our runner judges drafts drawn at T > 0 ("block" or "token", `Runner`).
     """
 
     target_dir: Path | None
@@ -86,6 +87,7 @@ class ModelSources:
     predictor_threshold: float | None = None
     tokenizer_dir: Path | None = None
     predictor_any_backend: bool = False
+    verification: str = "block"
 
 
 class Models:
@@ -120,6 +122,7 @@ class Models:
             else:
                 self._runner = Runner.from_dir(s.target_dir, drafter_dir=s.drafter_dir, dtype=s.dtype, **common)
             self._runner.clock = self.clock
+            self._runner.verification = s.verification
         return self._runner
 
     @functools.cached_property

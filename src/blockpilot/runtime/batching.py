@@ -31,7 +31,8 @@ import torch
 from blockpilot.errors import UserError
 from blockpilot.runtime.backend import DecodeState
 from blockpilot.runtime.sampling import (SamplingParams, accepted_draft_counts, committed_tokens, draft_distribution,
-                                        draw_categorical, logits_to_probs, rejection_sample_block, sample_tokens)
+                                        block_verify_block, draw_categorical, logits_to_probs,
+                                        rejection_sample_block, sample_tokens)
 
 
 @dataclasses.dataclass
@@ -249,11 +250,12 @@ class BatchDecoder:
         elapsed = clock() - t0
         events, keep, moving = [], [], []
         for row, active in enumerate(members):
-            if active.proposal is not None:  # drawn from the drafter's distribution: rejection sampling
+            if active.proposal is not None:  # drawn from the drafter's distribution: block or token verification
                 columns, q = active.proposal
                 active.proposal = None
                 probs = logits_to_probs(verify.logits[row], active.params)  # (k, V)
-                tokens, a = rejection_sample_block(columns, q, self.backend.draft_vocab_ids, probs, active.generator)
+                verify_fn = block_verify_block if self.runner.verification == "block" else rejection_sample_block
+                tokens, a = verify_fn(columns, q, self.backend.draft_vocab_ids, probs, active.generator)
                 last = torch.tensor([tokens[-1]])
             else:
                 posterior = sample_tokens(verify.logits[row:row + 1], active.params, active.generator)  # (1, k)

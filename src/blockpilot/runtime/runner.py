@@ -22,7 +22,7 @@ import torch
 
 from blockpilot.errors import UserError
 from blockpilot.runtime.backend import Backend
-from blockpilot.runtime.sampling import SamplingParams
+from blockpilot.runtime.sampling import VERIFICATIONS, SamplingParams
 
 
 @dataclasses.dataclass
@@ -104,13 +104,19 @@ class Runner:
             greedy drafts and "sample, then match" at every temperature (`runtime.sampling`). Both are
             lossless; rejection sampling accepts more (a slot survives with probability
             `sum min(p, q)` instead of `p(argmax q)`).
+        verification: how sampled drafts are judged: "block" (default; block verification, which keeps
+            the most tokens per step any lossless verifier of the same drafts can) or "token" (slot-by-slot
+            rejection sampling). Both are lossless; see `runtime.sampling`.
     """
 
     def __init__(self, backend: Backend, *, policy=None, default_block_size: int | None = None,
                  end_id: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 sampled_drafts: bool = True):
+                 sampled_drafts: bool = True, verification: str = "block"):
+        if verification not in VERIFICATIONS:
+            raise UserError(f"unknown verification {verification!r}: choose one of {', '.join(VERIFICATIONS)}")
         self.backend = backend
         self.sampled_drafts = sampled_drafts
+        self.verification = verification
         self.policy = policy
         dc = backend.drafter_config
         self.default_block_size = default_block_size or (dc.block_size if dc is not None else 1)

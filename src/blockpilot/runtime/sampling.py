@@ -15,6 +15,16 @@ Two lossless acceptance rules:
   probability `sum_x min(p_k(x), q_k(x))`, at least `p_k(argmax q_k)` when `q_k` is close to `p_k`.
   `q_k` may be any distribution computed without the token it proposes: a DFlash block's slots are
   drafted in parallel from the context before the block, which is such a distribution.
+- **Block verification** (drafts drawn from `q`; T > 0; Sun et al., "Block Verification Accelerates
+  Speculative Decoding", ICLR 2025): the same drafts and target rows, judged jointly instead of slot by
+  slot. A running weight `w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i))` (`w_0 = 1`) measures how much of the
+  target's mass the drafted prefix `x_1..x_i` still carries; the step keeps the longest prefix `i`
+  whose own coin passes `h_i` (`h_K = w_K`, otherwise the residual mass `sum max(w_i p - q, 0)` of the
+  next slot against `1 - w_i`) and draws the next token from `max(w_i p - q, 0)` (normalised), or the
+  bonus row after a full block. The committed tokens are distributed exactly as the target's and the
+  expected number kept per step is the largest any verifier of these drafts can reach: never fewer than
+  rejection sampling's, and more the longer the block (an exact enumeration on a 3-token vocabulary,
+  `tests/test_sampling.py`, gives +1-4% at 2 drafts, +4-11% at 3). It costs no target or drafter work.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import dataclasses
 
 import numpy as np
 import torch
+
+VERIFICATIONS = ("block", "token")  # how drafts drawn from the drafter are judged at T > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,3 +170,39 @@ def rejection_sample_block(draft_rows: torch.Tensor, q: torch.Tensor, vocab_ids:
         return tokens, k
     tokens.append(int(draw_categorical(probs[-1:], generator)[0]))
     return tokens, len(tokens) - 1
+
+
+def _drafter_mass(q_row: torch.Tensor, vocab_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """One slot's proposal `q` as a `(V,)` row over the target's ids (zero outside the draft vocabulary)."""
+    if vocab_ids is None:
+        return q_row.to(like)
+    return torch.zeros_like(like).index_add_(0, vocab_ids, q_row.to(like))
+
+
+def block_verify_block(draft_rows: torch.Tensor, q: torch.Tensor, vocab_ids: torch.Tensor | None,
+                       probs: torch.Tensor, generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """One row's step of block verification (see the module docstring); the arguments and the result are
+    `rejection_sample_block`'s."""
+    probs = probs.double()
+    n = len(draft_rows)
+    draft = (draft_rows if vocab_ids is None else vocab_ids[draft_rows]).tolist()
+    rows = draft_rows.tolist()
+    uniform = torch.rand(n, generator=generator, dtype=torch.float64).tolist()  # CPU generator
+    weight, weights, kept = 1.0, [1.0], 0
+    for k in range(n):  # slot k + 1, judged by the target's row k
+        q_x = float(q[k, rows[k]])
+        weight = min(1.0, weight * float(probs[k, draft[k]]) / q_x) if q_x > 0 else 0.0
+        weights.append(weight)
+        if k + 1 == n:
+            stop = weight
+        else:
+            spare = float((weight * probs[k + 1] - _drafter_mass(q[k + 1], vocab_ids, probs[k + 1])).clamp_(min=0.0).sum())
+            stop = spare / (spare + 1.0 - weight) if spare + 1.0 - weight > 0 else 0.0
+        if uniform[k] < stop:  # the longest prefix whose coin passes is kept
+            kept = k + 1
+    if kept == n:
+        return draft + [int(draw_categorical(probs[-1:], generator)[0])], n
+    residual = (weights[kept] * probs[kept] - _drafter_mass(q[kept], vocab_ids, probs[kept])).clamp_(min=0.0)
+    if not residual.sum() > 0:  # w p <= q everywhere to rounding: p itself (a measure-zero event)
+        residual = probs[kept]
+    return draft[:kept] + [int(draw_categorical(residual[None], generator)[0])], kept
