@@ -514,6 +514,10 @@ def test_an_unknown_verification_rule_is_a_user_error(drafting_paths):
     from blockpilot.errors import UserError
     with pytest.raises(UserError, match="unknown verification 'tree'"):
         Runner(drafting_paths["torch-fp32"], verification="tree")
+    runner = Runner(drafting_paths["torch-fp32"])
+    with pytest.raises(UserError, match="choose one of block, token"):
+        runner.verification = "Block"
+    assert runner.verification == "block"
 
 
 def test_the_draft_distribution_is_the_softmax_of_the_logits_at_the_requests_temperature():

@@ -112,8 +112,6 @@ class Runner:
     def __init__(self, backend: Backend, *, policy=None, default_block_size: int | None = None,
                  end_id: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  sampled_drafts: bool = True, verification: str = "block"):
-        if verification not in VERIFICATIONS:
-            raise UserError(f"unknown verification {verification!r}: choose one of {', '.join(VERIFICATIONS)}")
         self.backend = backend
         self.sampled_drafts = sampled_drafts
         self.verification = verification
@@ -122,6 +120,17 @@ class Runner:
         self.default_block_size = default_block_size or (dc.block_size if dc is not None else 1)
         self.end_id = end_id
         self.clock = clock
+
+    @property
+    def verification(self) -> str:
+        """How drafts drawn at T > 0 are judged: "block" or "token" (see the class docstring)."""
+        return self._verification
+
+    @verification.setter
+    def verification(self, rule: str) -> None:
+        if rule not in VERIFICATIONS:
+            raise UserError(f"unknown verification {rule!r}: choose one of {', '.join(VERIFICATIONS)}")
+        self._verification = rule
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, drafter_dir: str | Path | None = None,
