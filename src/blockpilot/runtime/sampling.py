@@ -134,6 +134,21 @@ def draft_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor
     return torch.softmax(logits.double() / temperature, dim=-1)
 
 
+def _residual_draw(weight: float, p_row: torch.Tensor, q_row: torch.Tensor, vocab_ids: torch.Tensor | None,
+                   generator: torch.Generator | None) -> int:
+    """One token from `max(weight * p - q, 0)` (normalised; `q` is zero off the draft vocabulary): the token
+    a step commits after its last kept draft, under either rule (rejection sampling: `weight = 1`)."""
+    residual = weight * p_row
+    if vocab_ids is None:
+        residual -= q_row.to(residual)
+    else:
+        residual.index_add_(0, vocab_ids, -q_row.to(residual))
+    residual.clamp_(min=0.0)
+    if not residual.sum() > 0:  # w p <= q everywhere to rounding: p itself (a measure-zero event)
+        residual = p_row
+    return int(draw_categorical(residual[None], generator)[0])
+
+
 def rejection_sample_block(draft_rows: torch.Tensor, q: torch.Tensor, vocab_ids: torch.Tensor | None,
                            probs: torch.Tensor, generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """One row's step of speculative rejection sampling (see the module docstring).
@@ -159,25 +174,12 @@ def rejection_sample_block(draft_rows: torch.Tensor, q: torch.Tensor, vocab_ids:
         if uniform[k] * q_x < p_x:  # accepted with probability min(1, p / q)
             tokens.append(token)
             continue
-        residual = probs[k].clone()
-        if vocab_ids is None:
-            residual -= q[k].to(residual)
-        else:
-            residual.index_add_(0, vocab_ids, -q[k].to(residual))
-        residual.clamp_(min=0.0)
-        if not residual.sum() > 0:  # p <= q everywhere to rounding: p itself (a measure-zero event)
-            residual = probs[k]
-        tokens.append(int(draw_categorical(residual[None], generator)[0]))
+        tokens.append(_residual_draw(1.0, probs[k], q[k], vocab_ids, generator))
         return tokens, k
     tokens.append(int(draw_categorical(probs[-1:], generator)[0]))
     return tokens, len(tokens) - 1
 
 
-def _drafter_mass(q_row: torch.Tensor, vocab_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """One slot's proposal `q` as a `(V,)` row over the target's ids (zero outside the draft vocabulary)."""
-    if vocab_ids is None:
-        return q_row.to(like)
-    return torch.zeros_like(like).index_add_(0, vocab_ids, q_row.to(like))
 
 
 def _spare_mass(weight: float, p_row: torch.Tensor, q_row: torch.Tensor, vocab_ids: torch.Tensor | None) -> float:
@@ -218,7 +220,4 @@ def block_verify_block(draft_rows: torch.Tensor, q: torch.Tensor, vocab_ids: tor
             break
     if kept == n:
         return draft + [int(draw_categorical(probs[-1:], generator)[0])], n
-    residual = (weights[kept] * probs[kept] - _drafter_mass(q[kept], vocab_ids, probs[kept])).clamp_(min=0.0)
-    if not residual.sum() > 0:  # w p <= q everywhere to rounding: p itself (a measure-zero event)
-        residual = probs[kept]
-    return draft[:kept] + [int(draw_categorical(residual[None], generator)[0])], kept
+    return draft[:kept] + [_residual_draw(weights[kept], probs[kept], q[kept], vocab_ids, generator)], kept
