@@ -13,6 +13,18 @@ deterministic draft.
 
     python scripts/t1_acceptance.py --temperature 1 [--drafter DIR] [--per-set 12]
     python scripts/t1_acceptance.py --temperature 1 --answers draws-t1.jsonl [--answers ...]   # sampled contexts
+    python scripts/t1_acceptance.py --temperature 1 --answers draws-t1.jsonl --per-set 64 --candidates 4
+
+`--candidates M` also reports each slot's acceptance when the verifier sees up to M candidates drawn from `q`
+(at the request's temperature) instead of one, i.e. a draft *tree* with M children per slot, judged by
+recursive rejection sampling: candidate i is accepted with probability `min(1, r_i(x) / q_i(x))`, and on
+rejection `r_{i+1} = max(r_i - q_i, 0)` (normalised), `r_1 = p`. With replacement (`q_i = q`) the acceptance
+after M candidates is exact, `1 - prod_i (1 - sum_x min(r_i(x), q(x)))`; without replacement (each candidate
+drawn from `q` with the earlier ones removed; Jeon et al. 2024) it is a Monte Carlo estimate. Slot k's rate
+is conditioned on the true prefix: on the target's own draws (`--answers`) that prefix is distributed as the
+token any lossless tree commits, so the rates say what a tree would keep, before its extra verify rows.
+The same flag reports the deterministic tree: the M most likely ids of `q` as candidates, kept when the
+target's own draw is one of them (`--temperature 0.01` approximates greedy decoding's).
 """
 
 from __future__ import annotations
@@ -38,6 +50,47 @@ SETS = (("smollm2-sharegpt-answers-1259.jsonl.gz", 2), ("smollm2-champ-answers-2
         ("smollm2-stdlib-answers-3574.jsonl.gz", 1))
 """Answer files (their first rows: the predictor's label sets, which no drafter trained on) and their
 share of `--per-set` (ShareGPT twice as many)."""
+TREE_SLOTS = 3  # `--candidates` is measured on the first slots only (the blocks sampled requests run are short)
+
+
+def with_replacement_acceptance(p: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tensor:
+    """Probability `(N, m)` that recursive rejection sampling keeps one of the first 1..m candidates drawn
+    independently from `q` `(N, V)`, judged against the target's `p` `(N, V)` (exact)."""
+    residual, rejected, kept = p.double().clone(), torch.ones(len(p), dtype=torch.float64), []
+    q = q.double()
+    for _ in range(m):
+        rejected = rejected * (1 - torch.minimum(residual, q).sum(-1))
+        kept.append(1 - rejected)
+        residual = (residual - q).clamp(min=0)
+        residual = residual / residual.sum(-1, keepdim=True).clamp(min=1e-300)
+    return torch.stack(kept, -1)
+
+
+def without_replacement_acceptance(p: torch.Tensor, q: torch.Tensor, m: int, draws: int,
+                                   generator: torch.Generator) -> torch.Tensor:
+    """Monte Carlo estimate `(N, m)` of the same with candidates drawn from `q` without replacement."""
+    kept = torch.zeros(len(p), m, dtype=torch.float64)
+    for _ in range(draws):
+        residual, proposal = p.double().clone(), q.double().clone()
+        done = torch.zeros(len(p), dtype=torch.bool)
+        for i in range(m):
+            alive = proposal.sum(-1) > 0  # rows whose q still has ids left to propose (a tree of fewer candidates)
+            x = torch.multinomial(torch.where(alive[:, None], proposal, 1.0), 1, generator=generator)  # (N, 1)
+            ratio = residual.gather(-1, x)[:, 0] / proposal.gather(-1, x)[:, 0].clamp(min=1e-300)
+            done |= alive & (torch.rand(len(p), generator=generator, dtype=torch.float64) < ratio.clamp(max=1))
+            kept[:, i] += done.double()
+            residual = (residual - proposal).clamp(min=0)
+            residual = residual / residual.sum(-1, keepdim=True).clamp(min=1e-300)
+            proposal = proposal.scatter(-1, x, 0.0)
+            proposal = proposal / proposal.sum(-1, keepdim=True).clamp(min=1e-300)
+    return kept / draws
+
+
+def top_candidates_acceptance(p: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tensor:
+    """Probability `(N, m)` that the target's own draw from `p` is one of the 1..m most likely ids of `q`: the
+    tree counterpart of "sample, then match" (deterministic candidates; at T = 0 the greedy tree's acceptance)."""
+    top = q.topk(m, dim=-1).indices  # (N, m)
+    return p.double().gather(-1, top).cumsum(-1)
 
 
 @torch.inference_mode()
@@ -51,6 +104,10 @@ def main() -> None:
     ap.add_argument("--answers", type=Path, action="append", default=[],
                     help="answers JSONL (e.g. the target's own draws at T, `blockpilot answer --temperature`) "
                          "instead of the greedy answers in data/; repeatable")
+    ap.add_argument("--candidates", type=int, default=1,
+                    help="also report slot acceptance with up to this many candidates per slot drawn from q at T "
+                         "(a draft tree; see above)")
+    ap.add_argument("--mc-draws", type=int, default=32, help="Monte Carlo draws for candidates without replacement")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -68,6 +125,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     accept: dict[str, list[torch.Tensor]] = {"match (greedy draft)": [], **{f"reject, q at {t:g}": [] for t in temps},
                                              "max p (best deterministic draft)": []}
+    trees: dict[str, list[torch.Tensor]] = {"with replacement": [], "without replacement": [],
+                                            "top candidates of q, matched": []}
     taps = extract_taps(target, sequences, tuple(drafter.config.target_layer_ids), autocast=False)
     for seq, seq_taps in zip(sequences, taps):
         n = len(seq.ids)
@@ -86,12 +145,30 @@ def main() -> None:
         accept["max p (best deterministic draft)"].append(p.max(-1).values)
         for t in temps:
             accept[f"reject, q at {t:g}"].append(torch.minimum(p_draft, torch.softmax(z / t, -1)).sum(-1))
+        if args.candidates > 1:  # q over all V ids (zero off the draft vocabulary), at the request's temperature
+            q_full = torch.softmax(z / args.temperature, -1)
+            if head.vocab_ids is not None:
+                q_full = torch.zeros_like(p).index_copy_(-1, head.vocab_ids, q_full)
+            flat_p, flat_q = p[:, :TREE_SLOTS].flatten(0, 1), q_full[:, :TREE_SLOTS].flatten(0, 1)
+            shape = (len(p), -1, args.candidates)
+            trees["with replacement"].append(with_replacement_acceptance(flat_p, flat_q, args.candidates).reshape(shape))
+            trees["without replacement"].append(
+                without_replacement_acceptance(flat_p, flat_q, args.candidates, args.mc_draws, generator).reshape(shape))
+            trees["top candidates of q, matched"].append(top_candidates_acceptance(flat_p, flat_q, args.candidates)
+                                                         .reshape(shape))
     print(f"T = {args.temperature:g}, {len(sequences)} answers, block {bsz}")
     for name, parts in accept.items():
         a = torch.cat(parts)  # (blocks, B-1)
         tau = 1 + a.cumprod(1).sum(1).mean()
         print(json.dumps({"scheme": name, "slot_acceptance": [round(float(x), 3) for x in a.mean(0)[:3]],
                           "approx_tau": round(float(tau), 3)}))
+    for name, parts in trees.items():
+        if parts:
+            a = torch.cat(parts).mean(0)  # (TREE_SLOTS, M): slot k's acceptance with 1..M candidates
+            kind = name if name.startswith("top") else f"candidates drawn from q at T, {name}"
+            print(json.dumps({"tree": kind, "blocks": sum(len(x) for x in parts),
+                              "slot_acceptance_by_candidates": {f"slot {k + 1}": [round(float(x), 3) for x in a[k]]
+                                                                for k in range(len(a))}}))
 
 
 if __name__ == "__main__":
