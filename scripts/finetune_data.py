@@ -13,7 +13,9 @@ commit 82e8c43, when that file held 1,724 turns: 14,265 answers, md5 3e6d4a98...
 third-party packages' documented functions (`PACKAGE_CODE`); stage 7 (session 22) trained on those 7,168 with
 1,000 rows of stage 6's data, not on this script's output (see the drafter's MODEL_CARD). Session 23 added 2,117
 more later turns (`LATER_TURNS`' second file; no drafter has trained on them yet): the default output grew from
-21,851 rows (md5 74dfa294...) to 23,806 (md5 b9a13312...).
+21,851 rows (md5 74dfa294...) to 23,806 (md5 b9a13312...). Session 25 added the last 302 later turns
+(`LATER_TURNS`' third file), less those whose conversation opens with a label-set prompt; the new default
+output's size and md5 are not recorded (the label sets in `runs/predictor/` were not on that machine).
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -40,7 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-3574.jsonl.gz",
            "data/smollm2-sharegpt-answers-1259.jsonl.gz", "data/smollm2-sharegpt-answers-open-818.jsonl.gz",
            "data/smollm2-sharegpt-answers-open2-426.jsonl.gz"]
-LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz", "data/smollm2-sharegpt-answers-later2-2117.jsonl.gz"]
+LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz", "data/smollm2-sharegpt-answers-later2-2117.jsonl.gz",
+               "data/smollm2-sharegpt-answers-later3-302.jsonl.gz"]
 PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
