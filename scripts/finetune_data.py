@@ -12,7 +12,7 @@ commit 82e8c43, when that file held 1,724 turns: 14,265 answers, md5 3e6d4a98...
 `--no-package-code` gives 14,683). Session 21 added the target's answers to HumanEval-style prompts written from
 third-party packages' documented functions (`PACKAGE_CODE`); stage 7 (session 22) trained on those 7,168 with
 1,000 rows of stage 6's data, not on this script's output (see the drafter's MODEL_CARD). Session 23 added 2,117
-more later turns (`LATER_TURNS`' second file; no drafter has trained on them yet): the default output grew from
+more later turns (`LATER_TURNS`' second file; stage 8 trained on them, session 24): the default output grew from
 21,851 rows (md5 74dfa294...) to 23,806 (md5 b9a13312...). Session 25 added the last 302 later turns
 (`LATER_TURNS`' third file), less those whose conversation opens with a label-set prompt; the new default
 output's size and md5 are not recorded (the label sets in `runs/predictor/` were not on that machine).
