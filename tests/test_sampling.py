@@ -406,13 +406,14 @@ def test_rejection_sampling_commits_tokens_distributed_as_the_target_and_accepts
     assert abs(accepted / n - expected) < 4 * math.sqrt(expected * (1 - expected) / n)
 
 
-def test_rejection_sampling_with_q_equal_to_p_accepts_every_draft_and_draws_the_bonus():
+@pytest.mark.parametrize("verify", [rejection_sample_block, block_verify_block], ids=["token", "block"])
+def test_both_rules_with_q_equal_to_p_keep_every_draft_and_draw_the_bonus(verify):
     p = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.5, 0.5]], dtype=torch.float64)  # (K=3, V=2)
     generator = torch.Generator().manual_seed(1)
     for _ in range(200):
         columns = torch.multinomial(p[:2], 1, generator=generator)[:, 0]
-        tokens, a = rejection_sample_block(columns, p[:2], None, p, generator)
-        assert a == 2 and tokens[:2] == columns.tolist()
+        tokens, a = verify(columns, p[:2], None, p, generator)
+        assert a == 2 and len(tokens) == 3 and tokens[:2] == columns.tolist()
 
 
 class ToyChain:
@@ -485,15 +486,6 @@ def test_block_verification_commits_more_tokens_per_step_than_token_verification
         means[name] = (mean, math.sqrt(var / len(steps)))
     (block, se_b), (token, se_t) = means["block"], means["token"]
     assert block - token > 4 * math.hypot(se_b, se_t), means
-
-
-def test_block_verification_with_q_equal_to_p_keeps_every_draft():
-    p = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.5, 0.5]], dtype=torch.float64)  # (K=3, V=2)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(200):
-        columns = torch.multinomial(p[:2], 1, generator=generator)[:, 0]
-        tokens, a = block_verify_block(columns, p[:2], None, p, generator)
-        assert a == 2 and tokens[:2] == columns.tolist()
 
 
 def test_block_verification_on_a_draft_vocabulary_never_commits_an_impossible_token():

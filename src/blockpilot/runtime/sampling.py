@@ -180,8 +180,6 @@ def rejection_sample_block(draft_rows: torch.Tensor, q: torch.Tensor, vocab_ids:
     return tokens, len(tokens) - 1
 
 
-
-
 def _spare_mass(weight: float, p_row: torch.Tensor, q_row: torch.Tensor, vocab_ids: torch.Tensor | None) -> float:
     """`sum_x max(weight * p(x) - q(x), 0)` over the target's ids; off the draft vocabulary `q` is zero, so
     only its ids need the comparison (16,384 of 49,152 for the shipped drafter)."""
