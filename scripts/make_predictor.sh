@@ -26,7 +26,9 @@
 #   CANDIDATES [1,2,3,4,6,8]   1 = plain decoding (10-16 never paid on a CPU: a block-10 step costs 1.6x
 #                 a decode step for tau ~1.8)
 #   MAX_NEW [96]   LIMIT [all]   RUNS [runs/predictor]
-#   STEP_COSTS [the embedded engine dir]  engine dir or JSON whose step-cost table scores the labels
+#   STEP_COSTS [measured here]  engine dir or JSON whose step-cost table scores the labels; without it the
+#                 table is measured first on the embedded engine dir at the candidate sizes (quiet machine!)
+#   LOOP_TOKENS [64]  LOOP_ROUNDS [9]   its decode-loop steps: tokens per timed generation, rounds (medians)
 #   SAMPLED ["1.0:100"]   TEMPERATURE:N pairs: the first N prompts of each set answered by the target
 #                 at that temperature and labelled by replay on those draws
 #   JOBS [1]   labelling processes at once (one core each; 2 halves the wall time on a 2-core machine)
@@ -50,26 +52,31 @@ MAX_NEW=${MAX_NEW:-96}
 RUNS=${RUNS:-runs/predictor}
 SAMPLED=${SAMPLED-1.0:100}
 JOBS=${JOBS:-1}
+LOOP_TOKENS=${LOOP_TOKENS:-64}
+LOOP_ROUNDS=${LOOP_ROUNDS:-9}
 DRAFTER=${DRAFTER:-src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8}
 OUT=${OUT:-src/blockpilot/assets/predictors/smollm2-135m-instruct-dflash-b8.onnx}
-export OMP_NUM_THREADS=1  # one torch thread: the labelling clock is this process's compute
 mkdir -p "$RUNS"
 
 # The step-cost table of the backend that runs the embedded default (onnxruntime fp32 engine dir).
 if [[ -z "${STEP_COSTS:-}" ]]; then
   STEP_COSTS="$RUNS/step-costs.json"
   if [[ ! -f "$STEP_COSTS" ]]; then
-    "$PY" - "$STEP_COSTS" <<'EOF'
+    "$PY" - "$STEP_COSTS" "$CANDIDATES" "$LOOP_TOKENS" "$LOOP_ROUNDS" <<'EOF'
 import json, sys
 from blockpilot.builder.embedded import embedded_engine_dir
 from blockpilot.runtime.step_costs import measure_engine_dir
-table = measure_engine_dir(embedded_engine_dir(), backend="onnxruntime")
+candidates = [int(c) for c in sys.argv[2].split(",") if int(c) > 1]
+table = measure_engine_dir(embedded_engine_dir(), backend="onnxruntime", block_sizes=candidates,
+                           loop_tokens=int(sys.argv[3]), loop_rounds=int(sys.argv[4]))
 open(sys.argv[1], "w").write(json.dumps(table.to_dict(), indent=1) + "\n")
 print(json.dumps(table.to_dict()))
 EOF
   fi
 fi
 
+export OMP_NUM_THREADS=1  # one torch thread: the labelling clock is this process's compute (the table above
+                          # is timed with the default threads, as `generate` and `profile` run)
 "$PY" scripts/heldout_split.py --answers "$ANSWERS" --valid "$VALID" --seed "$SEED" --out "$RUNS/heldout.jsonl"
 # Four more sets the drafter never trained on, closer to real requests than its own split: every 12th
 # stdlib-code task from the 6th on (298), the first 300 answers of each ShareGPT file, the CHAMP math problems.

@@ -236,6 +236,25 @@ def test_step_costs_round_trip_through_the_manifest_and_older_manifests_read_wit
     assert read_manifest(tmp_path).step_costs is None
 
 
+def test_step_costs_are_measured_at_the_sizes_asked_for_with_as_many_loop_rounds_as_asked(tmp_path_factory,
+                                                                                       monkeypatch):
+    from blockpilot.runtime import step_costs
+
+    engine_dir = tiny_engine_dir(tmp_path_factory)  # built (and timed) before the count starts
+    rounds = []
+    real = step_costs.time_decode_loop
+
+    def counting(runner, sizes, context, new_tokens, rounds_asked=3):
+        rounds.append((sorted(sizes), new_tokens, rounds_asked))
+        return real(runner, sizes, context, new_tokens, rounds_asked)
+
+    monkeypatch.setattr(step_costs, "time_decode_loop", counting)
+    costs = step_costs.measure_engine_dir(engine_dir, block_sizes=[3], loop_tokens=6,
+                                          loop_rounds=2)
+    assert rounds == [([1, 3], 6, 2)]
+    assert sorted(costs.target_ms) == sorted(costs.loop_ms) == [1, 3] and sorted(costs.drafter_ms) == [3]
+
+
 def test_cpu_vector_isa_names_amx_tiles_when_the_cpu_has_them(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert cpu_vector_isa().endswith("+amx")

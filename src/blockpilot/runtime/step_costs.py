@@ -154,18 +154,20 @@ def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int
 
 
 def measure_step_costs(backend, block_sizes: Iterable[int], *, context: int = DEFAULT_CONTEXT,
-                       repeats: int = DEFAULT_REPEATS, runner=None, loop_tokens: int = 32) -> StepCosts:
+                       repeats: int = DEFAULT_REPEATS, runner=None, loop_tokens: int = 32,
+                       loop_rounds: int = 3) -> StepCosts:
     """The step-cost table of `backend` at K = 1 and every size of `block_sizes` (seconds).
 
     `context` is lowered to what the backend's cache holds beside the largest block. With `runner`
-    (a `Runner` over `backend`) whole loop steps are timed too (`time_decode_loop`, `loop_tokens` each).
+    (a `Runner` over `backend`) whole loop steps are timed too (`time_decode_loop`: `loop_rounds`
+    rounds of `loop_tokens` tokens at each size).
     """
     sizes = sorted({1, *block_sizes})
     room = backend.max_capacity - 2 * max(sizes) - 2  # the timed calls' cache beside the largest block
     loop_tokens = max(4, min(loop_tokens, room // 2))
     context = max(1, min(context, room - loop_tokens))
     verify_ms, draft_ms, _ = time_backend(backend, sizes, context, repeats)
-    loop_ms = time_decode_loop(runner, sizes, context, loop_tokens) if runner is not None else {}
+    loop_ms = time_decode_loop(runner, sizes, context, loop_tokens, loop_rounds) if runner is not None else {}
     name, dtype = backend_precision(backend)
     threads = torch.get_num_threads() if name == "torch" else None  # onnxruntime: its shared pool
     return StepCosts(name, dtype, machine_class(getattr(backend, "device", "cpu")), context,
@@ -174,12 +176,15 @@ def measure_step_costs(backend, block_sizes: Iterable[int], *, context: int = DE
 
 
 def measure_engine_dir(engine_dir: Path, *, context: int = DEFAULT_CONTEXT, repeats: int = DEFAULT_REPEATS,
-                       backend: str | None = None) -> StepCosts:
+                       backend: str | None = None, block_sizes: Iterable[int] | None = None,
+                       loop_tokens: int = 32, loop_rounds: int = 3) -> StepCosts:
     """`measure_step_costs` (kernels and loop steps) on the graphs of an engine directory, opened as
-    `Runner.from_dir` would (its fastest usable backend unless `backend` is given), at every built block size."""
+    `Runner.from_dir` would (its fastest usable backend unless `backend` is given), at every built block size
+    (or those of `block_sizes`)."""
     from blockpilot.builder.manifest import read_manifest
     from blockpilot.runtime.runner import Runner
 
     runner = Runner.from_dir(engine_dir, backend=backend, predictor_any_backend=True)
-    sizes = read_manifest(engine_dir, verify_files=False).block_sizes
-    return measure_step_costs(runner.backend, sizes, context=context, repeats=repeats, runner=runner)
+    sizes = read_manifest(engine_dir, verify_files=False).block_sizes if block_sizes is None else block_sizes
+    return measure_step_costs(runner.backend, sizes, context=context, repeats=repeats, runner=runner,
+                              loop_tokens=loop_tokens, loop_rounds=loop_rounds)
