@@ -12,7 +12,7 @@ from blockpilot.cli import main
 from blockpilot.commands.profile import summary
 from blockpilot.profiling.measure import greedy_mismatches, oracle_rows
 from blockpilot.profiling.session import ProfileOptions, run_profile
-from blockpilot.profiling.stats import speedups, summarize
+from blockpilot.profiling.stats import decode_steps, speedups, summarize
 from blockpilot.profiling.systems import ModelSources, RunnerSystem, default_registry
 from blockpilot.profiling.workload import load_requests
 from blockpilot.runtime.runner import Runner
@@ -137,7 +137,8 @@ def test_full_profile_writes_markdown_tables_and_three_pngs(full_profile):
     outcome, out = full_profile
     report = (out / "report.md").read_text()
     for heading in ("## Correctness (T = 0)", "## Speedup vs `ar`", "## Latency per request", "## Per category",
-                    "## Block sizes chosen per request", "## Plots", "Warm-up: 1 request(s) per system"):
+                    "## Block sizes chosen per request", "## Decode steps by block size", "## Plots",
+                    "Warm-up: 1 request(s) per system"):
         assert heading in report
     assert "OK: every system produced exactly `ar`'s tokens on all 3 requests." in report
     for name in ("tau_by_block_size.png", "oracle_block_sizes.png", "speedup.png"):
@@ -302,6 +303,20 @@ def test_speedup_is_the_ratio_of_pooled_time_per_output_token():
     assert entry["with_prefill"] == pytest.approx((6.0 / 30) / (2.0 / 30))
     assert entry["decode_only"] == pytest.approx((5.4 / 28) / (1.4 / 28))
     assert entry["tau"] == pytest.approx(4.0) and entry["requests"] == 2
+
+
+def test_decode_steps_pool_time_over_steps_per_system_temperature_and_block_size():
+    rows = [{**_row("bp", "p1", 1.1, 0.1, 11), "block_size": 4, "verify_steps": 4},
+            {**_row("bp", "p2", 2.2, 0.2, 21), "block_size": 4, "verify_steps": 6},
+            {**_row("bp", "p3", 1.0, 0.1, 5), "block_size": 6, "verify_steps": 3},
+            {**_row("bp", "p4", 9.0, 0.1, 5), "block_size": 6, "verify_steps": 3, "derived_from": "sweep"},
+            {**_row("ar", "p1", 1.1, 0.1, 11), "block_size": 1, "verify_steps": 10}]
+    entries = {(e["system"], e["block_size"]): e for e in decode_steps(rows)}
+    assert sorted(entries) == [("ar", 1), ("bp", 4), ("bp", 6)]  # the derived row is not a measurement
+    assert entries[("bp", 4)]["ms_per_step"] == pytest.approx(1e3 * 3.0 / 10)
+    assert entries[("bp", 4)]["tokens_per_step"] == pytest.approx(30 / 10) and entries[("bp", 4)]["requests"] == 2
+    assert entries[("bp", 6)]["ms_per_step"] == pytest.approx(1e3 * 0.9 / 3)
+    assert entries[("ar", 1)]["ms_per_step"] == pytest.approx(100.0)
 
 
 def test_summary_p90_matches_numpy_linear_interpolation():

@@ -38,9 +38,9 @@ def write_report(out_dir: Path, results: dict) -> list[Path]:
 
 
 def markdown(results: dict, plots: list[str]) -> str:
-    """`report.md`: header, correctness, speedups, latency tables, block sizes, plots."""
+    """`report.md`: header, correctness, speedups, latency tables, block sizes, decode steps, plots."""
     parts = [_header(results), _correctness(results), _speedup_table(results), _latency_table(results),
-             _category_table(results), _block_size_table(results)]
+             _category_table(results), _block_size_table(results), _decode_step_table(results)]
     parts.append("## Plots\n\n" + ("\n".join(f"![{p}]({p})" for p in plots) if plots else "No plot had data.") + "\n")
     return "\n".join(p for p in parts if p)
 
@@ -155,6 +155,25 @@ def _block_size_table(results: dict) -> str:
     for (system, dataset, t), hist in sorted(counts.items(), key=str):
         sizes = ", ".join(f"{b}: {n}" for b, n in sorted(hist.items()))
         lines.append(f"| {system} | {dataset} | {t} | {sizes} |")
+    return "\n".join(lines) + "\n"
+
+
+def _decode_step_table(results: dict) -> str:
+    """Measured ms per decode step at each block size each system ran (every dataset pooled), and its ratio
+    to the reference's plain step at the same temperature: what a step-cost table should predict."""
+    from blockpilot.profiling.stats import decode_steps
+
+    entries = decode_steps(results["rows"])
+    if not any(e["block_size"] > 1 for e in entries):
+        return ""
+    plain = {e["temperature"]: e["ms_per_step"] for e in entries if e["system"] == results["reference"]}
+    lines = ["## Decode steps by block size (every dataset pooled)\n",
+             "| system | T | block size | requests | steps | ms per step | step / reference step | "
+             "tokens per step |", "|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        ratio = _fmt(e["ms_per_step"] / plain[e["temperature"]], 3) if e["temperature"] in plain else "–"
+        lines.append(f"| {e['system']} | {e['temperature']} | {e['block_size']} | {e['requests']} | {e['steps']} | "
+                     f"{_fmt(e['ms_per_step'])} | {ratio} | {_fmt(e['tokens_per_step'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -7,6 +7,10 @@ Speedup of a system = reference time per output token / the system's, each poole
 requests both systems completed (sum of times / sum of tokens), on the same run. "with prefill"
 uses whole-request time over output tokens; "decode only" uses time after the first token over
 output tokens after the first (DFlash's own harness reports the latter).
+
+Decode steps: milliseconds per step of the decode loop at each block size a system ran, pooled over
+its requests (time after the first token over target passes after the prefill): the measured
+counterpart of the step-cost table the predictor's labels are scored with.
 """
 
 from __future__ import annotations
@@ -98,3 +102,26 @@ def _ratio(reference: float | None, system: float | None) -> float | None:
     if reference is None or not system:
         return None
     return reference / system
+
+
+def decode_steps(rows: list[dict]) -> list[dict]:
+    """Pooled decode-loop steps per system x temperature x block size (over every dataset).
+
+    Returns:
+        Entries with system, temperature, block_size, requests, steps, `ms_per_step` (sum of decode
+        time over sum of steps) and `tokens_per_step` (output tokens after the first over steps), for
+        rows that record their steps and block size (derived rows left out).
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("derived_from") or not r.get("verify_steps") or r.get("block_size") is None:
+            continue
+        groups.setdefault((r["system"], r["temperature"], r["block_size"]), []).append(r)
+    entries = []
+    for (system, temperature, block_size), group in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        steps = sum(r["verify_steps"] for r in group)
+        entries.append({"system": system, "temperature": temperature, "block_size": block_size,
+                        "requests": len(group), "steps": steps,
+                        "ms_per_step": 1e3 * sum(r["decode_s"] for r in group) / steps,
+                        "tokens_per_step": sum(max(r["output_tokens"] - 1, 0) for r in group) / steps})
+    return entries
