@@ -28,7 +28,10 @@
 #   MAX_NEW [96]   LIMIT [all]   RUNS [runs/predictor]
 #   STEP_COSTS [measured here]  engine dir or JSON whose step-cost table scores the labels; without it the
 #                 table is measured first on the embedded engine dir at the candidate sizes (quiet machine!)
-#   LOOP_TOKENS [64]  LOOP_ROUNDS [9]   its decode-loop steps: tokens per timed generation, rounds (medians)
+#   LOOP_PROMPTS [3]  LOOP_TOKENS [64]  LOOP_ROUNDS [5]   its decode-loop steps: on the first LOOP_PROMPTS
+#                 prompts of each label set (real drafts are accepted, as in use), LOOP_TOKENS new tokens each,
+#                 the median of LOOP_ROUNDS interleaved rounds (single rounds of one random prompt wandered by
+#                 10% at a block size on a quiet machine)
 #   SAMPLED ["1.0:100"]   TEMPERATURE:N pairs: the first N prompts of each set answered by the target
 #                 at that temperature and labelled by replay on those draws
 #   JOBS [1]   labelling processes at once (one core each; 2 halves the wall time on a 2-core machine)
@@ -53,7 +56,8 @@ RUNS=${RUNS:-runs/predictor}
 SAMPLED=${SAMPLED-1.0:100}
 JOBS=${JOBS:-1}
 LOOP_TOKENS=${LOOP_TOKENS:-64}
-LOOP_ROUNDS=${LOOP_ROUNDS:-9}
+LOOP_ROUNDS=${LOOP_ROUNDS:-5}
+LOOP_PROMPTS=${LOOP_PROMPTS:-3}
 DRAFTER=${DRAFTER:-src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8}
 OUT=${OUT:-src/blockpilot/assets/predictors/smollm2-135m-instruct-dflash-b8.onnx}
 mkdir -p "$RUNS"
@@ -62,13 +66,18 @@ mkdir -p "$RUNS"
 if [[ -z "${STEP_COSTS:-}" ]]; then
   STEP_COSTS="$RUNS/step-costs.json"
   if [[ ! -f "$STEP_COSTS" ]]; then
-    "$PY" - "$STEP_COSTS" "$CANDIDATES" "$LOOP_TOKENS" "$LOOP_ROUNDS" <<'EOF'
-import json, sys
+    "$PY" - "$STEP_COSTS" "$CANDIDATES" "$LOOP_TOKENS" "$LOOP_ROUNDS" "$LOOP_PROMPTS" \
+        "$STDLIB" "$SHAREGPT" "$SHAREGPT_OPEN" "$CHAMP" <<'EOF'
+import gzip, json, sys
 from blockpilot.builder.embedded import embedded_engine_dir
 from blockpilot.runtime.step_costs import measure_engine_dir
 candidates = [int(c) for c in sys.argv[2].split(",") if int(c) > 1]
+n = int(sys.argv[5])  # the first n prompts of each label set (below), as the requests they stand for
+rows = lambda path: [json.loads(line) for line in gzip.open(path, "rt") if line.strip()]
+std, sharegpt, sharegpt_open, champ = (rows(path) for path in sys.argv[6:10])
+prompts = [r["prompt"] for r in std[5::12][:n] + sharegpt[:n] + sharegpt_open[:n] + champ[:n]]
 table = measure_engine_dir(embedded_engine_dir(), backend="onnxruntime", block_sizes=candidates,
-                           loop_tokens=int(sys.argv[3]), loop_rounds=int(sys.argv[4]))
+                           loop_tokens=int(sys.argv[3]), loop_rounds=int(sys.argv[4]), loop_prompts=prompts)
 open(sys.argv[1], "w").write(json.dumps(table.to_dict(), indent=1) + "\n")
 print(json.dumps(table.to_dict()))
 EOF

@@ -236,22 +236,30 @@ def test_step_costs_round_trip_through_the_manifest_and_older_manifests_read_wit
     assert read_manifest(tmp_path).step_costs is None
 
 
-def test_step_costs_are_measured_at_the_sizes_asked_for_with_as_many_loop_rounds_as_asked(tmp_path_factory,
-                                                                                       monkeypatch):
+def test_step_costs_are_measured_at_the_sizes_asked_for_on_real_prompts_with_the_rounds_asked_for(
+        tmp_path_factory, monkeypatch):
     from blockpilot.runtime import step_costs
 
     engine_dir = tiny_engine_dir(tmp_path_factory)  # built (and timed) before the count starts
-    rounds = []
-    real = step_costs.time_decode_loop
+    calls, generations = [], []
+    real_loop, real_generate = step_costs.time_decode_loop, Runner.generate
 
-    def counting(runner, sizes, context, new_tokens, rounds_asked=3):
-        rounds.append((sorted(sizes), new_tokens, rounds_asked))
-        return real(runner, sizes, context, new_tokens, rounds_asked)
+    def counting_loop(runner, sizes, context, new_tokens, rounds=3, prompts=None):
+        calls.append((sorted(sizes), new_tokens, rounds, [len(p) for p in prompts]))
+        return real_loop(runner, sizes, context, new_tokens, rounds, prompts)
 
-    monkeypatch.setattr(step_costs, "time_decode_loop", counting)
-    costs = step_costs.measure_engine_dir(engine_dir, block_sizes=[3], loop_tokens=6,
-                                          loop_rounds=2)
-    assert rounds == [([1, 3], 6, 2)]
+    def counting_generate(self, batch_input_ids, **kwargs):
+        generations.append((len(batch_input_ids[0]), kwargs["block_size"], kwargs["max_new_tokens"]))
+        return real_generate(self, batch_input_ids, **kwargs)
+
+    monkeypatch.setattr(step_costs, "time_decode_loop", counting_loop)
+    monkeypatch.setattr(Runner, "generate", counting_generate)
+    costs = step_costs.measure_engine_dir(engine_dir, block_sizes=[3], loop_tokens=6, loop_rounds=2,
+                                          loop_prompts=["Hi", "a longer prompt"])
+    [(sizes, tokens, rounds, lengths)] = calls
+    assert (sizes, tokens, rounds) == ([1, 3], 6, 2) and len(lengths) == 2 and lengths[0] < lengths[1]
+    timed = [g for g in generations if g[2] == 6]  # after one short warm-up generation per size
+    assert sorted(timed) == sorted([(n, k, 6) for n in lengths for k in (1, 3)] * 2)  # every prompt, size, round
     assert sorted(costs.target_ms) == sorted(costs.loop_ms) == [1, 3] and sorted(costs.drafter_ms) == [3]
 
 

@@ -131,43 +131,52 @@ def cpu_vector_isa() -> str:
     return torch.backends.cpu.get_cpu_capability() + ("+bf16" if native_bf16() else "") + ("+amx" if amx else "")
 
 
-def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int, rounds: int = 3) -> dict[int, float]:
+def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int, rounds: int = 3,
+                     prompts: list[torch.Tensor] | None = None) -> dict[int, float]:
     """Wall ms per decode step of `runner.generate` at each block size (prefill and predictor excluded):
     the median over `rounds` rounds that decode at every size in turn.
 
-    A random prompt of `context` tokens is decoded for `new_tokens` tokens (after a short warm-up
-    generation) at each size; acceptance barely matters for the cost of a step, so random text serves.
+    Without `prompts`, a random prompt of `context` tokens is decoded for `new_tokens` tokens (after a
+    short warm-up generation) at each size: every draft is rejected, so each step commits one token.
+    With `prompts` (1-D id tensors of real requests), each round decodes every prompt at each size and a
+    round's step time is its decode time over its steps: the drafts are accepted as they are in use, so
+    each step's bookkeeping and the drafter's new context rows are what real requests pay.
     """
-    vocab = runner.backend.target_config.vocab_size
-    prompt = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(1))
+    if prompts is None:
+        vocab = runner.backend.target_config.vocab_size
+        prompts = [torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(1))]
     sizes = sorted(set(sizes))
     per_step: dict[int, list[float]] = {k: [] for k in sizes}
     for k in sizes:
-        runner.generate([prompt], max_new_tokens=4, end_id=-1, block_size=k, return_dict=True)
+        runner.generate(prompts[:1], max_new_tokens=4, end_id=-1, block_size=k, return_dict=True)
     for _ in range(rounds):
         for k in sizes:
-            start = time.perf_counter()
-            out = runner.generate([prompt], max_new_tokens=new_tokens, end_id=-1, block_size=k, return_dict=True)
-            wall = time.perf_counter() - start - out["timings"][0]["prefill_s"] - out["timings"][0]["predictor_s"]
-            per_step[k].append(wall / max(1, len(out["accept_lengths"][0])))
+            wall, steps = 0.0, 0
+            for prompt in prompts:
+                start = time.perf_counter()
+                out = runner.generate([prompt], max_new_tokens=new_tokens, end_id=-1, block_size=k, return_dict=True)
+                timings = out["timings"][0]
+                wall += time.perf_counter() - start - timings["prefill_s"] - timings["predictor_s"]
+                steps += len(out["accept_lengths"][0])
+            per_step[k].append(wall / max(1, steps))
     return {k: round(1e3 * statistics.median(v), 4) for k, v in per_step.items()}
 
 
 def measure_step_costs(backend, block_sizes: Iterable[int], *, context: int = DEFAULT_CONTEXT,
                        repeats: int = DEFAULT_REPEATS, runner=None, loop_tokens: int = 32,
-                       loop_rounds: int = 3) -> StepCosts:
+                       loop_rounds: int = 3, loop_prompts: list[torch.Tensor] | None = None) -> StepCosts:
     """The step-cost table of `backend` at K = 1 and every size of `block_sizes` (seconds).
 
     `context` is lowered to what the backend's cache holds beside the largest block. With `runner`
     (a `Runner` over `backend`) whole loop steps are timed too (`time_decode_loop`: `loop_rounds`
-    rounds of `loop_tokens` tokens at each size).
+    rounds of `loop_tokens` tokens at each size, on `loop_prompts` when given).
     """
     sizes = sorted({1, *block_sizes})
     room = backend.max_capacity - 2 * max(sizes) - 2  # the timed calls' cache beside the largest block
     loop_tokens = max(4, min(loop_tokens, room // 2))
     context = max(1, min(context, room - loop_tokens))
     verify_ms, draft_ms, _ = time_backend(backend, sizes, context, repeats)
-    loop_ms = time_decode_loop(runner, sizes, context, loop_tokens, loop_rounds) if runner is not None else {}
+    loop_ms = time_decode_loop(runner, sizes, context, loop_tokens, loop_rounds, loop_prompts) if runner is not None else {}
     name, dtype = backend_precision(backend)
     threads = torch.get_num_threads() if name == "torch" else None  # onnxruntime: its shared pool
     return StepCosts(name, dtype, machine_class(getattr(backend, "device", "cpu")), context,
@@ -177,14 +186,21 @@ def measure_step_costs(backend, block_sizes: Iterable[int], *, context: int = DE
 
 def measure_engine_dir(engine_dir: Path, *, context: int = DEFAULT_CONTEXT, repeats: int = DEFAULT_REPEATS,
                        backend: str | None = None, block_sizes: Iterable[int] | None = None,
-                       loop_tokens: int = 32, loop_rounds: int = 3) -> StepCosts:
+                       loop_tokens: int = 32, loop_rounds: int = 3, loop_prompts: list[str] | None = None) -> StepCosts:
     """`measure_step_costs` (kernels and loop steps) on the graphs of an engine directory, opened as
     `Runner.from_dir` would (its fastest usable backend unless `backend` is given), at every built block size
-    (or those of `block_sizes`)."""
+    (or those of `block_sizes`); the loop steps on `loop_prompts` (texts, as user turns of the chat template)
+    when given, else on a random prompt."""
     from blockpilot.builder.manifest import read_manifest
     from blockpilot.runtime.runner import Runner
 
     runner = Runner.from_dir(engine_dir, backend=backend, predictor_any_backend=True)
     sizes = read_manifest(engine_dir, verify_files=False).block_sizes if block_sizes is None else block_sizes
+    ids = None
+    if loop_prompts:
+        from blockpilot.text import chat_prompt_ids, load_tokenizer
+
+        tokenizer = load_tokenizer(engine_dir)
+        ids = [torch.tensor(chat_prompt_ids(tokenizer, text)) for text in loop_prompts]
     return measure_step_costs(runner.backend, sizes, context=context, repeats=repeats, runner=runner,
-                              loop_tokens=loop_tokens, loop_rounds=loop_rounds)
+                              loop_tokens=loop_tokens, loop_rounds=loop_rounds, loop_prompts=ids)
