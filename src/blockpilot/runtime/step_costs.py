@@ -134,7 +134,9 @@ def cpu_vector_isa() -> str:
 def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int, rounds: int = 3,
                      prompts: list[torch.Tensor] | None = None) -> dict[int, float]:
     """Wall ms per decode step of `runner.generate` at each block size (prefill and predictor excluded):
-    the median over `rounds` rounds that decode at every size in turn.
+    the median over `rounds` rounds, each of which decodes every prompt at every size in turn (the order
+    rotated from prompt to prompt), so that the machine's drift over seconds (+-4% between two rounds a
+    minute apart on a quiet 2-core VM) falls on every size alike.
 
     Without `prompts`, a random prompt of `context` tokens is decoded for `new_tokens` tokens (after a
     short warm-up generation) at each size: every draft is rejected, so each step commits one token.
@@ -149,16 +151,18 @@ def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int
     per_step: dict[int, list[float]] = {k: [] for k in sizes}
     for k in sizes:
         runner.generate(prompts[:1], max_new_tokens=4, end_id=-1, block_size=k, return_dict=True)
-    for _ in range(rounds):
-        for k in sizes:
-            wall, steps = 0.0, 0
-            for prompt in prompts:
+    for r in range(rounds):
+        wall, steps = dict.fromkeys(sizes, 0.0), dict.fromkeys(sizes, 0)
+        for i, prompt in enumerate(prompts):  # every size on each prompt in turn, the order rotated
+            shift = (r + i) % len(sizes)
+            for k in sizes[shift:] + sizes[:shift]:
                 start = time.perf_counter()
                 out = runner.generate([prompt], max_new_tokens=new_tokens, end_id=-1, block_size=k, return_dict=True)
                 timings = out["timings"][0]
-                wall += time.perf_counter() - start - timings["prefill_s"] - timings["predictor_s"]
-                steps += len(out["accept_lengths"][0])
-            per_step[k].append(wall / max(1, steps))
+                wall[k] += time.perf_counter() - start - timings["prefill_s"] - timings["predictor_s"]
+                steps[k] += len(out["accept_lengths"][0])
+        for k in sizes:
+            per_step[k].append(wall[k] / max(1, steps[k]))
     return {k: round(1e3 * statistics.median(v), 4) for k, v in per_step.items()}
 
 
@@ -188,13 +192,14 @@ def measure_engine_dir(engine_dir: Path, *, context: int = DEFAULT_CONTEXT, repe
                        backend: str | None = None, block_sizes: Iterable[int] | None = None,
                        loop_tokens: int = 32, loop_rounds: int = 3, loop_prompts: list[str] | None = None) -> StepCosts:
     """`measure_step_costs` (kernels and loop steps) on the graphs of an engine directory, opened as
-    `Runner.from_dir` would (its fastest usable backend unless `backend` is given), at every built block size
+    `Runner.from_dir` would (its fastest usable backend unless `backend` is given; no predictor: a directory
+    whose predictor belongs to an earlier drafter is timed too, as `scripts/make_predictor.sh` needs), at every built block size
     (or those of `block_sizes`); the loop steps on `loop_prompts` (texts, as user turns of the chat template)
     when given, else on a random prompt."""
     from blockpilot.builder.manifest import read_manifest
     from blockpilot.runtime.runner import Runner
 
-    runner = Runner.from_dir(engine_dir, backend=backend, predictor_any_backend=True)
+    runner = Runner.from_engine_dir(engine_dir, backend=backend, use_predictor=False)  # every size is asked for
     sizes = read_manifest(engine_dir, verify_files=False).block_sizes if block_sizes is None else block_sizes
     ids = None
     if loop_prompts:
