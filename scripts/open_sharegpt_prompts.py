@@ -15,6 +15,10 @@ answers the last turn in that context (`blockpilot answer` reads the `messages` 
 keep the earlier turns as `history`, which `train-drafter` formats with the chat template):
 
     python scripts/open_sharegpt_prompts.py --later-turns --out runs/sharegpt-later.jsonl
+
+`--shortest-first` orders the list by characters (a later turn: its whole conversation) after the shuffle: on a
+CPU a continuously batched step reads every sequence's cache, so short conversations give more answer tokens an
+hour (the later turns up to 6,000 characters: `--later-turns --max-chars 6000 --shortest-first`).
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def open_prompts(answer_files: list[Path], min_chars: int = 5, max_chars: int = 1500, seed: int = 0,
-                 later_turns: bool = False) -> list[dict]:
+                 later_turns: bool = False, shortest_first: bool = False) -> list[dict]:
     """ShareGPT first turns (`later_turns`: later turns with their conversation, at most `max_chars`
-    in all) not answered in `answer_files` and not an evaluation prompt, shuffled (`seed`)."""
+    in all) not answered in `answer_files` and not an evaluation prompt, shuffled (`seed`); with
+    `shortest_first`, then ordered by characters (the conversation's, for a later turn; ties keep the
+    shuffled order)."""
     answered = {row_key(row) for path in answer_files for row in read_answer_rows(path)}
     evaluation = evaluation_texts()  # what `load_train_prompts` refuses
     prompts = load_sharegpt_later_turns(max_chars) if later_turns else load_sharegpt()
@@ -50,7 +56,14 @@ def open_prompts(answer_files: list[Path], min_chars: int = 5, max_chars: int = 
         else:
             rows.append({"id": f"sharegpt/{prompt.id}", "prompt": text, "source": "sharegpt"})
     random.Random(seed).shuffle(rows)
+    if shortest_first:
+        rows.sort(key=conversation_chars)
     return rows
+
+
+def conversation_chars(row: dict) -> int:
+    """Characters of a prompts-file row: its prompt, or every message of its conversation."""
+    return len(row["prompt"]) if "prompt" in row else sum(len(m["content"]) for m in row["messages"])
 
 
 def main() -> None:
@@ -59,9 +72,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--later-turns", action="store_true", help="second and later user turns, in context")
     parser.add_argument("--max-chars", type=int, default=1500, help="longest prompt (with --later-turns: conversation)")
+    parser.add_argument("--shortest-first", action="store_true",
+                        help="order by characters (a later turn: its whole conversation), shortest first: more "
+                             "answer tokens an hour on a CPU, whose decode steps slow as the cache grows")
     args = parser.parse_args()
     files = sorted((ROOT / "data").glob("*.jsonl.gz"))
-    rows = open_prompts(files, max_chars=args.max_chars, seed=args.seed, later_turns=args.later_turns)
+    rows = open_prompts(files, max_chars=args.max_chars, seed=args.seed, later_turns=args.later_turns,
+                        shortest_first=args.shortest_first)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
