@@ -113,8 +113,8 @@ class OnnxBackend:
     row's result is bit-identical whatever the row count and cache capacity (checked on SmolLM2 for
     2..16 rows, `tests/test_batch_invariance.py`), so this makes plain decoding round exactly like every
     block size, at the cost of a 2-row step: on the 2-core AMD EPYC 16.8 ms against 15.2 for one row at a
-    256-token context (`scripts/bench_steps.py`), and `profile`'s padded plain decoding (`ar`) runs at 0.91-0.94x
-    the unpadded `ar-1row` (`one_row_plain`), the baseline every speedup is reported against."""
+    256-token context (`scripts/bench_steps.py`), and `profile`'s padded plain decoding (`ar`) runs at
+    0.91-0.94x the unpadded `ar-1row` (`one_row_plain`), the baseline every speedup is reported against."""
 
     def __init__(self, manifest: Manifest, target: OnnxGraph, drafter: OnnxGraph,
                  target_config: DecoderConfig, drafter_config: DrafterConfig, draft_vocab_ids: torch.Tensor | None = None):

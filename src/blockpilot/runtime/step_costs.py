@@ -193,9 +193,9 @@ def measure_engine_dir(engine_dir: Path, *, context: int = DEFAULT_CONTEXT, repe
                        loop_tokens: int = 32, loop_rounds: int = 3, loop_prompts: list[str] | None = None) -> StepCosts:
     """`measure_step_costs` (kernels and loop steps) on the graphs of an engine directory, opened as
     `Runner.from_dir` would (its fastest usable backend unless `backend` is given; no predictor: a directory
-    whose predictor belongs to an earlier drafter is timed too, as `scripts/make_predictor.sh` needs), at every built block size
-    (or those of `block_sizes`); the loop steps on `loop_prompts` (texts, as user turns of the chat template)
-    when given, else on a random prompt."""
+    whose predictor belongs to an earlier drafter is timed too, as `scripts/make_predictor.sh` needs), at
+    every built block size (or those of `block_sizes`); the loop steps on `loop_prompts` (texts, as user
+    turns of the chat template) when given, else on a random prompt."""
     from blockpilot.builder.manifest import read_manifest
     from blockpilot.runtime.runner import Runner
 
