@@ -152,6 +152,36 @@ def test_cancel_frees_the_slot_at_once_and_the_others_continue_unchanged(tmp_pat
     assert results[ids[2]].output_tokens == alone(runner, requests[2]).output_tokens
 
 
+def drafter_cache_positions(state) -> int:
+    first = state.drafter_cache[0] if isinstance(state.drafter_cache, list) else state.drafter_cache.k[0]
+    return (first.shape() if callable(first.shape) else first.shape)[2]  # OrtValue or tensor
+
+
+@pytest.mark.parametrize("path", ["onnxruntime-fp32", "torch-fp32", "torch-bf16"])
+def test_a_group_whose_longest_request_left_shrinks_its_caches_and_keeps_each_output(tmp_path_factory, path):
+    runner = runner_for(tmp_path_factory, path)
+    long_prompt = [(7 * i) % 60 + 1 for i in range(20)]
+    requests = [GenerationRequest(long_prompt, 3, block_size=3, end_id=None),  # leaves within two steps
+                GenerationRequest(PROMPTS[1], 14, block_size=3, end_id=None),
+                GenerationRequest(PROMPTS[3], 12, block_size=3, end_id=None)]
+    room = max(3, getattr(runner.backend, "fixed_rows", None) or 1)  # as `BatchDecoder.add` sizes a request
+    need = [len(r.input_ids) + r.max_new_tokens + room for r in requests]
+    decoder = BatchDecoder(runner)
+    ids = [decoder.add(r) for r in requests]
+    results, capacities = {}, []
+    while len(decoder):
+        for event in decoder.step():
+            if event.finished:
+                results[event.request_id] = event.result
+        if decoder._groups:
+            state = decoder._groups[0].state
+            capacities.append((state.capacity, drafter_cache_positions(state)))
+    assert capacities[0] == (need[0], need[0])  # the group holds the long request's cache while it decodes
+    assert capacities[-1] == (max(need[1:]),) * 2  # then only what the two short requests need
+    for request, request_id in zip(requests, ids):
+        assert results[request_id].output_tokens == alone(runner, request).output_tokens, path
+
+
 def test_sampled_rows_of_a_batch_equal_their_single_request_samples_from_the_same_seed(tmp_path_factory):
     runner = runner_for(tmp_path_factory, "onnxruntime-fp32")
     requests = [GenerationRequest(p, n, temperature=1.0, top_p=0.9, seed=100 + i, block_size=5, end_id=None)

@@ -75,8 +75,11 @@ class Backend(Protocol):
         """One state whose rows are the rows of `states` in order (capacity: the largest)."""
         ...
 
-    def select_rows(self, state: DecodeState, rows: list[int]) -> DecodeState:
-        """A state holding only `rows` of `state`, in that order."""
+    def select_rows(self, state: DecodeState, rows: list[int], capacity: int | None = None) -> DecodeState:
+        """A state holding only `rows` of `state`, in that order. With `capacity` (at most the state's; every
+        kept row must fit in it) its caches are cut to that many positions: merging pads every row to the
+        largest capacity of the group, and a step reads the whole cache, so a group whose longest request
+        has left would otherwise keep paying for that request's cache."""
         ...
 
     def prefill(self, state: DecodeState, input_ids: torch.Tensor) -> PrefillOutput: ...
@@ -208,13 +211,16 @@ class TorchBackend:
         drafter = merge([s.drafter_cache for s in states]) if self.drafter is not None else None
         return DecodeState(merge([s.target_cache for s in states]), drafter, max(s.capacity for s in states))
 
-    def select_rows(self, state: DecodeState, rows: list[int]) -> DecodeState:
+    def select_rows(self, state: DecodeState, rows: list[int], capacity: int | None = None) -> DecodeState:
         index = torch.tensor(rows, device=self.device)
+        capacity = state.capacity if capacity is None else capacity
 
-        def select(cache: KVCache | None) -> KVCache | None:
-            return None if cache is None else KVCache(k=[t[index] for t in cache.k], v=[t[index] for t in cache.v])
+        def select(cache: KVCache | None, size: int) -> KVCache | None:
+            return None if cache is None else KVCache(k=[t[index, :, :size] for t in cache.k],
+                                                      v=[t[index, :, :size] for t in cache.v])
 
-        return DecodeState(select(state.target_cache), select(state.drafter_cache), state.capacity)
+        return DecodeState(select(state.target_cache, capacity + self.pad_rows),
+                           select(state.drafter_cache, capacity), capacity)
 
     @torch.inference_mode()
     def prefill(self, state: DecodeState, input_ids: torch.Tensor) -> PrefillOutput:

@@ -74,6 +74,7 @@ class _Active:
     pending_taps: torch.Tensor  # (1, n, tH) taps committed since the last draft
     ctx_start: int  # first drafter-cache position of pending_taps
     pos: int  # position of `last`
+    capacity: int  # cache positions the request needs (prompt, answer, room for its largest block)
     state: DecodeState | None  # own state until the request joins a group
     new_tokens: list[int] = dataclasses.field(default_factory=list)  # to report at the next step
     done: bool = False
@@ -161,7 +162,7 @@ class BatchDecoder:
         result.block_size = k = runner.choose_block_size(result, block_size, prefill, params.temperature)
         adaptive = block_size in (None, "auto") and hasattr(runner.policy, "revise") and k > 1
         active = _Active(next(self._ids), result, params, generator, request.max_new_tokens, end_id, k, last,
-                         prefill.taps, 0, len(ids), state, adaptive=adaptive)
+                         prefill.taps, 0, len(ids), capacity, state, adaptive=adaptive)
         active.done = self._commit(active, [int(last)])
         self._joining.append(active)
         return active.id
@@ -278,7 +279,7 @@ class BatchDecoder:
                 keep.append(row)
         for row in moving:  # each leaves with its own rows of the state, drafts alone next step, joins its size
             active = members[row]
-            active.state = be.select_rows(group.state, [row])
+            active.state = be.select_rows(group.state, [row], capacity=active.capacity)
             active.moving = True
             self._joining.append(active)
         if len(keep) < len(members):
@@ -343,9 +344,14 @@ class BatchDecoder:
         return drafts
 
     def _keep_rows(self, group: _Group, rows: list[int]) -> None:
+        """Keep `rows` of the group; its caches shrink to what the longest remaining request needs. A step
+        reads the whole cache, and a group would otherwise keep the capacity of every long prompt it served:
+        `blockpilot answer` on 160 package-code prompts, 16 at a time, onnxruntime fp32 on the 2-core AMD EPYC,
+        took 286 s before and 265 s after (one run each, the same answers)."""
         group.members = [group.members[i] for i in rows]
         if rows:
-            group.state = self.backend.select_rows(group.state, rows)
+            capacity = max(a.capacity for a in group.members)
+            group.state = self.backend.select_rows(group.state, rows, capacity=capacity)
 
     # ---------------------------------------------------------------- helpers
 

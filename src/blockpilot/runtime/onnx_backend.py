@@ -175,11 +175,14 @@ class OnnxBackend:
         return DecodeState(merge([s.target_cache for s in states]), merge([s.drafter_cache for s in states]),
                            max(s.capacity for s in states))
 
-    def select_rows(self, state: DecodeState, rows: list[int]) -> DecodeState:
-        def select(cache: list) -> list:
-            return [_ortvalue(np.ascontiguousarray(v.numpy()[rows])) for v in cache]
+    def select_rows(self, state: DecodeState, rows: list[int], capacity: int | None = None) -> DecodeState:
+        capacity = state.capacity if capacity is None else capacity
 
-        return DecodeState(select(state.target_cache), select(state.drafter_cache), state.capacity)
+        def select(cache: list, size: int) -> list:
+            return [_ortvalue(np.ascontiguousarray(v.numpy()[rows, :, :size])) for v in cache]
+
+        return DecodeState(select(state.target_cache, capacity + self.min_rows - 1),
+                           select(state.drafter_cache, capacity), capacity)
 
     def _run_target(self, state: DecodeState, ids: np.ndarray, start, logits_index: np.ndarray) -> dict:
         positions = row_positions(start, ids.shape[1], ids.shape[0]).numpy()

@@ -180,7 +180,8 @@ class TrtBackend:
             raise ValueError("TensorRT engines are built for batch 1 (max_batch = 1)")
         return states[0]
 
-    def select_rows(self, state: DecodeState, rows: list[int]) -> DecodeState:
+    def select_rows(self, state: DecodeState, rows: list[int], capacity: int | None = None) -> DecodeState:
+        """The state itself: engines run one row at their fixed capacity (`capacity` is not used)."""
         if rows != [0]:
             raise ValueError("TensorRT engines are built for batch 1 (max_batch = 1)")
         return state
