@@ -11,7 +11,8 @@ block size; each group owns one `DecodeState` whose rows are its requests. Per s
 
 A request joins a group after its own prefill (batch 1; prompts differ in length) and its first
 draft (so that a long prompt's context never widens the group's drafter call), and leaves it as
-soon as it finishes or is cancelled: its rows are dropped from the group's state at once.
+soon as it finishes or is cancelled: its rows are dropped from the group's state at once, and the
+state's caches shrink to what the longest remaining request needs.
 Requests in a batch are independent: each row of a call rounds as it would alone (the backends'
 kernels give every row the same result whatever the row count, see `OnnxBackend.min_rows`), so
 at T=0 every request's tokens equal its single-request output, and sampled requests draw from
