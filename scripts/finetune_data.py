@@ -15,7 +15,9 @@ third-party packages' documented functions (`PACKAGE_CODE`); stage 7 (session 22
 more later turns (`LATER_TURNS`' second file; stage 8 trained on them, session 24): the default output grew from
 21,851 rows (md5 74dfa294...) to 23,806 (md5 b9a13312...). Session 25 added the last 302 later turns
 (`LATER_TURNS`' third file), less those whose conversation opens with a label-set prompt; the new default
-output's size and md5 are not recorded (the label sets in `runs/predictor/` were not on that machine).
+output's size and md5 are not recorded (the label sets in `runs/predictor/` were not on that machine). Session 27
+added 1,347 later turns (`LATER_TURNS`' fourth file) and session 28 3,225 more package-code answers
+(`PACKAGE_CODE`' second file); no stage has trained on either yet.
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -45,7 +47,7 @@ ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-35
 LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz", "data/smollm2-sharegpt-answers-later2-2117.jsonl.gz",
                "data/smollm2-sharegpt-answers-later3-302.jsonl.gz",
                "data/smollm2-sharegpt-answers-later4-1347.jsonl.gz"]
-PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz"]
+PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz", "data/smollm2-package-code-answers2-3225.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
 MATH_KEPT = 600
