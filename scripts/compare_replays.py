@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,9 +32,8 @@ def per_prompt_t1(entry: dict) -> dict[str, list[float]]:
 def paired(base: list[float], new: list[float]) -> tuple[float, float, float, float]:
     """(mean base, mean new, mean of new - base, its standard error)."""
     diffs = [n - b for b, n in zip(base, new)]
-    mean = sum(diffs) / len(diffs)
-    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) if len(diffs) > 1 else float("nan")
-    return sum(base) / len(base), sum(new) / len(new), mean, math.sqrt(var / len(diffs))
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return statistics.fmean(base), statistics.fmean(new), statistics.fmean(diffs), se
 
 
 def compare(base: dict, new: dict) -> list[dict]:
