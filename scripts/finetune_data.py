@@ -17,7 +17,8 @@ more later turns (`LATER_TURNS`' second file; stage 8 trained on them, session 2
 (`LATER_TURNS`' third file), less those whose conversation opens with a label-set prompt; the new default
 output's size and md5 are not recorded (the label sets in `runs/predictor/` were not on that machine). Session 27
 added 1,347 later turns (`LATER_TURNS`' fourth file) and session 28 3,225 more package-code answers
-(`PACKAGE_CODE`' second file); no stage has trained on either yet.
+(`PACKAGE_CODE`' second file); stage 10 (session 29) trained on both with `--focus` (below): 5,478 rows, md5
+3076b3fe....
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
