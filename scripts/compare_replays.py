@@ -3,7 +3,8 @@
 For every dataset and block size both files measured: the mean tau of each (exact greedy replay at T = 0, and
 the T = 1 sampling runs where both have them), the relative change, and the paired difference of per-prompt tau
 with its standard error (the same prompts and, at T = 1, the same seeds: the paired error is far smaller than
-either mean's). Both results must come from the same prompts and the same new-token limit.
+either mean's). Both results must come from the same prompts and the same new-token limit for what is compared
+(`--max-new-tokens` for the replays, `--t1-max-new-tokens` for the sampling runs).
 
     python scripts/compare_replays.py --base runs/eval-stage9-humaneval.json --new runs/eval-soup-humaneval.json \
         [--base ... --new ...] [--out compare.md]
@@ -38,16 +39,22 @@ def paired(base: list[float], new: list[float]) -> tuple[float, float, float, fl
 
 def compare(base: dict, new: dict) -> list[dict]:
     """Rows {dataset, T, block, prompts, base, new, change, diff, se} for what both reports measured."""
-    if base.get("max_new_tokens") != new.get("max_new_tokens"):
-        raise ValueError(f"the reports used different --max-new-tokens ({base.get('max_new_tokens')} and "
-                         f"{new.get('max_new_tokens')}): rerun one of them")
     rows = []
     for dataset in sorted(set(base["datasets"]) & set(new["datasets"])):
         b_entry, n_entry = base["datasets"][dataset], new["datasets"][dataset]
         if b_entry.get("tau_t1", {}).get("prompts") != n_entry.get("tau_t1", {}).get("prompts"):
             raise ValueError(f"{dataset}: the T = 1 runs sampled different prompts")
+        # each limit is checked where the section it governs is compared: a T = 1-only run (--replay-block-sizes '')
+        # pairs with another whatever its greedy --max-new-tokens
+        limits = {"0": ("--max-new-tokens", base.get("max_new_tokens"), new.get("max_new_tokens")),
+                  "1": ("--t1-max-new-tokens", b_entry.get("t1_max_new_tokens"), n_entry.get("t1_max_new_tokens"))}
         for temp, pick in (("0", per_prompt_t0), ("1", per_prompt_t1)):
             b_taus, n_taus = pick(b_entry), pick(n_entry)
+            if not set(b_taus) & set(n_taus):
+                continue
+            flag, b_limit, n_limit = limits[temp]
+            if b_limit != n_limit:
+                raise ValueError(f"the reports used different {flag} ({b_limit} and {n_limit}): rerun one of them")
             for size in sorted(set(b_taus) & set(n_taus), key=int):
                 if len(b_taus[size]) != len(n_taus[size]):
                     raise ValueError(f"{dataset} T={temp} block {size}: {len(b_taus[size])} prompts against "

@@ -17,9 +17,11 @@ def script():
     sys.modules.pop("compare_replays", None)
 
 
-def report(steps_at_3: list[list[int]], t1_at_3: list[float], prompts=("a", "b", "c"), max_new=128) -> dict:
+def report(steps_at_3: list[list[int]], t1_at_3: list[float], prompts=("a", "b", "c"), max_new=128, t1_max_new=64
+           ) -> dict:
     return {"drafter": "d", "max_new_tokens": max_new, "datasets": {"mtbench": {
-        "tau_t0": {"replay": {}, "replay_steps": {"3": steps_at_3}},
+        "tau_t0": {"replay": {}, "replay_steps": {"3": steps_at_3}} if steps_at_3 else {},
+        "t1_max_new_tokens": t1_max_new,
         "tau_t1": {"mean": {}, "per_prompt": {"3": t1_at_3}, "prompts": list(prompts)}}}}
 
 
@@ -55,3 +57,11 @@ def test_table_is_written_where_asked(script, tmp_path, capsys):
     new.write_text(json.dumps(NEW))
     assert script.main(["--base", str(base), "--new", str(new), "--out", str(out)]) == 0
     assert out.read_text().splitlines()[2] == "| mtbench | 0 | 3 | 3 | 1.667 | 2.333 | +40.0% | +0.667 ± 0.333 |"
+
+
+def test_sampled_only_runs_pair_whatever_their_greedy_limit_but_not_across_sampled_limits(script):
+    t1_only = report([], [1.5, 1.5, 2.0], max_new=256)  # --replay-block-sizes '': no T = 0 section
+    (row,) = script.compare(BASE, t1_only)
+    assert (row["T"], row["diff"]) == ("1", pytest.approx(0.5 / 3))
+    with pytest.raises(ValueError, match="--t1-max-new-tokens"):
+        script.compare(BASE, report([], [1.5, 1.5, 2.0], t1_max_new=32))
