@@ -50,12 +50,13 @@ def compare(base: dict, new: dict) -> list[dict]:
                   "1": ("--t1-max-new-tokens", b_entry.get("t1_max_new_tokens"), n_entry.get("t1_max_new_tokens"))}
         for temp, pick in (("0", per_prompt_t0), ("1", per_prompt_t1)):
             b_taus, n_taus = pick(b_entry), pick(n_entry)
-            if not set(b_taus) & set(n_taus):
+            sizes = sorted(set(b_taus) & set(n_taus), key=int)
+            if not sizes:
                 continue
             flag, b_limit, n_limit = limits[temp]
             if b_limit != n_limit:
                 raise ValueError(f"the reports used different {flag} ({b_limit} and {n_limit}): rerun one of them")
-            for size in sorted(set(b_taus) & set(n_taus), key=int):
+            for size in sizes:
                 if len(b_taus[size]) != len(n_taus[size]):
                     raise ValueError(f"{dataset} T={temp} block {size}: {len(b_taus[size])} prompts against "
                                      f"{len(n_taus[size])}; compare runs over the same prompts")
