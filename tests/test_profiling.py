@@ -12,7 +12,9 @@ from blockpilot.cli import main
 from blockpilot.commands.profile import summary
 from blockpilot.profiling.measure import greedy_mismatches, oracle_rows
 from blockpilot.profiling.session import ProfileOptions, run_profile
-from blockpilot.profiling.stats import decode_steps, speedups, summarize
+from blockpilot.profiling.report import markdown
+from blockpilot.profiling.stats import (decode_steps, fastest_plain, speedups, speedups_over_fastest_plain,
+                                      summarize)
 from blockpilot.profiling.systems import ModelSources, RunnerSystem, default_registry
 from blockpilot.profiling.workload import load_requests
 from blockpilot.runtime.runner import Runner
@@ -303,6 +305,45 @@ def test_speedup_is_the_ratio_of_pooled_time_per_output_token():
     assert entry["with_prefill"] == pytest.approx((6.0 / 30) / (2.0 / 30))
     assert entry["decode_only"] == pytest.approx((5.4 / 28) / (1.4 / 28))
     assert entry["tau"] == pytest.approx(4.0) and entry["requests"] == 2
+
+
+def test_speedups_are_also_taken_over_the_fastest_plain_decoding_of_each_temperature():
+    # ar-1row beats ar at T = 0 (pooled over both prompts although ar wins p2), ar wins at T = 1
+    rows = [_row("ar", "p1", 2.0, 0.1, 10), _row("ar", "p2", 2.0, 0.1, 10),
+            _row("ar-1row", "p1", 1.0, 0.1, 10), _row("ar-1row", "p2", 2.5, 0.1, 10),
+            _row("bp", "p1", 0.5, 0.1, 10, tau=2.0), _row("bp", "p2", 1.0, 0.1, 10, tau=3.0)]
+    rows += [{**r, "temperature": 1.0, "total_s": r["total_s"] * (2 if r["system"] == "ar-1row" else 1)}
+             for r in rows]
+    assert fastest_plain(rows) == {0.0: "ar-1row", 1.0: "ar"}
+    entries = {(e["system"], e["temperature"]): e for e in speedups_over_fastest_plain(rows) if e["dataset"] == "all"}
+    assert {(s, t): e["reference"] for (s, t), e in entries.items() if s == "bp"} == {("bp", 0.0): "ar-1row",
+                                                                                   ("bp", 1.0): "ar"}
+    assert entries[("bp", 0.0)]["with_prefill"] == pytest.approx(3.5 / 1.5)
+    assert entries[("bp", 1.0)]["with_prefill"] == pytest.approx(4.0 / 1.5)
+    assert entries[("bp", 0.0)]["tokens_per_s"] == pytest.approx(20 / 1.5)
+    assert entries[("ar-1row", 0.0)]["with_prefill"] == pytest.approx(1.0)
+    assert fastest_plain([r for r in rows if r["system"] == "bp"]) == {}  # no plain decoding ran: no bar
+
+
+def test_report_and_summary_name_the_fastest_plain_decoding_only_when_it_is_not_ar(tmp_path):
+    rows = [_row("ar", "p1", 2.0, 0.1, 10), _row("ar-1row", "p1", 1.6, 0.1, 10), _row("bp", "p1", 0.8, 0.1, 10)]
+    results = {"status": "complete", "command": ["blockpilot", "profile"], "reference": "ar",
+               "systems": ["ar", "bp", "ar-1row"], "oracle_by": None, "errors": [], "rows": rows,
+               "sources": {"target_dir": "t", "drafter_dir": "d", "backend": "onnxruntime", "dtype": "float32"},
+               "workload": {"datasets": {"d": 1}, "max_new_tokens": 10, "temperatures": [0.0], "warmup_runs": 1,
+                            "planned_runs": 3},
+               "machine": {"cpu": "cpu", "cpu_count": 2, "torch_threads": 2, "device": "cpu"}, "timing": "clock",
+               "versions": {}, "speedups": speedups(rows, "ar"), "aggregates": [],
+               "fastest_plain": [{"temperature": 0.0, "system": "ar-1row"}],
+               "speedups_over_fastest_plain": speedups_over_fastest_plain(rows)}
+    report = markdown(results, [])
+    assert "## Speedup vs the fastest plain decoding (`ar-1row` at T = 0.0;" in report
+    assert "| bp | d | 0.0 | 1 | 1.00 | 12.5 | 2.00x |" in report
+    outcome = type("Outcome", (), {"results": results, "interrupted": False, "paths": [tmp_path / "results.json"]})
+    assert "vs ar-1row (the fastest plain decoding): 2.00x" in summary(outcome)
+    results["fastest_plain"] = [{"temperature": 0.0, "system": "ar"}]
+    results["speedups_over_fastest_plain"] = [{**e, "reference": "ar"} for e in results["speedups"]]
+    assert "fastest plain" not in markdown(results, []) and "fastest plain" not in summary(outcome)
 
 
 def test_decode_steps_pool_time_over_steps_per_system_temperature_and_block_size():

@@ -92,11 +92,16 @@ def summary(outcome) -> str:
     r = outcome.results
     lines = [f"profile {'PARTIAL (interrupted)' if outcome.interrupted else 'complete'}: "
              f"{len(r['rows'])} rows; report in {outcome.paths[0].parent}"]
+    over_fastest = {(e["system"], e["temperature"]): e for e in r.get("speedups_over_fastest_plain", [])
+                    if e["dataset"] == "all" and e["reference"] != r["reference"]}
     for e in r["speedups"]:
         if e["dataset"] == "all" and e["system"] != r["reference"]:
+            fastest = over_fastest.get((e["system"], e["temperature"]))
             lines.append(f"  {e['system']:<18} T={e['temperature']:<4} tau {_f(e['tau'])}  speedup vs "
                          f"{r['reference']}: {_f(e['with_prefill'])}x with prefill, "
-                         f"{_f(e['decode_only'])}x decode only")
+                         f"{_f(e['decode_only'])}x decode only"
+                         + (f"; vs {fastest['reference']} (the fastest plain decoding): {_f(fastest['with_prefill'])}x"
+                            if fastest and e["system"] != fastest["reference"] else ""))
     if r["errors"]:
         lines.append(f"ERROR: {len(r['errors'])} T=0 output(s) differ from {r['reference']} "
                      "(see report.md, section Correctness)")

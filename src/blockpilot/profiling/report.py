@@ -39,7 +39,8 @@ def write_report(out_dir: Path, results: dict) -> list[Path]:
 
 def markdown(results: dict, plots: list[str]) -> str:
     """`report.md`: header, correctness, speedups, latency tables, block sizes, decode steps, plots."""
-    parts = [_header(results), _correctness(results), _speedup_table(results), _latency_table(results),
+    parts = [_header(results), _correctness(results), _speedup_table(results), _fastest_plain_table(results),
+             _latency_table(results),
              _category_table(results), _block_size_table(results), _decode_step_table(results)]
     parts.append("## Plots\n\n" + ("\n".join(f"![{p}]({p})" for p in plots) if plots else "No plot had data.") + "\n")
     return "\n".join(p for p in parts if p)
@@ -105,6 +106,25 @@ def _speedup_table(results: dict) -> str:
             continue
         lines.append(f"| {e['system']} | {e['dataset']} | {e['temperature']} | {e['requests']} | {_fmt(e['tau'])} | "
                      f"{_fmt(e['with_prefill'])}x | {_fmt(e['decode_only'])}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _fastest_plain_table(results: dict) -> str:
+    """Speedups over the fastest plain decoding of each temperature, with pooled tokens/s; left out when that
+    is the reference at every temperature (the table above then says it all)."""
+    fastest = results.get("fastest_plain") or []  # absent in results.json files of older versions
+    if all(f["system"] == results["reference"] for f in fastest):
+        return ""
+    bars = ", ".join(f"`{f['system']}` at T = {f['temperature']}" for f in fastest)
+    lines = [f"## Speedup vs the fastest plain decoding ({bars}; same run; time per output token, pooled)\n",
+             "| system | dataset | T | requests | mean tau | tokens/s (pooled) | speedup with prefill | "
+             "speedup decode only |", "|---|---|---|---|---|---|---|---|"]
+    several = len(results["workload"]["datasets"]) > 1
+    for e in results["speedups_over_fastest_plain"]:
+        if e["dataset"] == "all" and not several:
+            continue
+        lines.append(f"| {e['system']} | {e['dataset']} | {e['temperature']} | {e['requests']} | {_fmt(e['tau'])} | "
+                     f"{_fmt(e['tokens_per_s'], 1)} | {_fmt(e['with_prefill'])}x | {_fmt(e['decode_only'])}x |")
     return "\n".join(lines) + "\n"
 
 

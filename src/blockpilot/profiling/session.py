@@ -216,7 +216,7 @@ def _run_with_progress(plan: Plan, show: bool):
 
 def _results(options: ProfileOptions, plan: Plan, systems: list[System], rows: list[dict], measured,
              backend: str) -> dict:
-    from blockpilot.profiling.stats import aggregates, speedups
+    from blockpilot.profiling.stats import aggregates, fastest_plain, speedups, speedups_over_fastest_plain
     from blockpilot.profiling.timing import machine_description, software_versions, timing_method
 
     s = options.sources
@@ -242,6 +242,8 @@ def _results(options: ProfileOptions, plan: Plan, systems: list[System], rows: l
         "versions": software_versions(),
         "errors": greedy_mismatches([r for r in rows if r["derived_from"] is None]),
         "speedups": speedups(rows, REFERENCE),
+        "fastest_plain": [{"temperature": t, "system": system} for t, system in fastest_plain(rows).items()],
+        "speedups_over_fastest_plain": speedups_over_fastest_plain(rows),
         "aggregates": aggregates(rows),
         "rows": rows,
     }

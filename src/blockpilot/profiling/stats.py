@@ -6,7 +6,9 @@ temperature, plus category "all" per system x dataset x temperature.
 Speedup of a system = reference time per output token / the system's, each pooled over the
 requests both systems completed (sum of times / sum of tokens), on the same run. "with prefill"
 uses whole-request time over output tokens; "decode only" uses time after the first token over
-output tokens after the first (DFlash's own harness reports the latter).
+output tokens after the first (DFlash's own harness reports the latter). The same speedups are also
+taken over the fastest of the package's plain decoding systems at each temperature (`fastest_plain`),
+the bar speculative decoding has to clear.
 
 Decode steps: milliseconds per step of the decode loop at each block size a system ran, pooled over
 its requests (time after the first token over target passes after the prefill): the measured
@@ -23,6 +25,9 @@ METRICS = ("prompt_tokens", "output_tokens", "ttft_s", "tpot_s", "tokens_per_s",
 """Per-request fields that are aggregated (None values are left out)."""
 
 ALL = "all"
+
+PLAIN_DECODING = ("ar", "ar-1row")
+"""The package's own plain decoding systems (the reference and `--baselines ar-1row`)."""
 
 
 def summarize(values: list[float]) -> dict | None:
@@ -84,12 +89,39 @@ def speedups(rows: list[dict], reference: str) -> list[dict]:
 def _speedup_entry(system: str, dataset: str, temperature: float, pairs: list[tuple[dict, dict]]) -> dict:
     refs, runs = [p[0] for p in pairs], [p[1] for p in pairs]
     tau = summarize([r["tau"] for r in runs])
+    per_token = _per_token(runs, "total_s", 0)
     return {
         "system": system, "dataset": dataset, "temperature": temperature, "requests": len(pairs),
-        "with_prefill": _ratio(_per_token(refs, "total_s", 0), _per_token(runs, "total_s", 0)),
+        "with_prefill": _ratio(_per_token(refs, "total_s", 0), per_token),
         "decode_only": _ratio(_per_token(refs, "decode_s", 1), _per_token(runs, "decode_s", 1)),
         "tau": tau["mean"] if tau else None,
+        "tokens_per_s": 1.0 / per_token if per_token else None,  # pooled: all output tokens / all request time
     }
+
+
+def fastest_plain(rows: list[dict]) -> dict[float, str]:
+    """The package's fastest plain decoding at each temperature: of the `PLAIN_DECODING` systems that ran,
+    the one with the least time per output token (prefill included), pooled over every dataset. It is the bar
+    speculative decoding has to clear, and not always `ar`: `ar-1row` skips the padding row that makes `ar`
+    round like the verify steps."""
+    fastest = {}
+    for temperature in sorted({r["temperature"] for r in rows}):
+        per_token = {system: _per_token([r for r in rows if r["system"] == system and r["temperature"] == temperature],
+                                        "total_s", 0) for system in PLAIN_DECODING}
+        measured = {system: t for system, t in per_token.items() if t}
+        if measured:
+            fastest[temperature] = min(measured, key=measured.get)
+    return fastest
+
+
+def speedups_over_fastest_plain(rows: list[dict]) -> list[dict]:
+    """`speedups` of every system over the fastest plain decoding of its temperature (`fastest_plain`);
+    each entry also names that system as `reference`."""
+    entries = []
+    for temperature, reference in fastest_plain(rows).items():
+        at_t = [r for r in rows if r["temperature"] == temperature]
+        entries += [{**e, "reference": reference} for e in speedups(at_t, reference)]
+    return entries
 
 
 def _per_token(rows: list[dict], time_key: str, skip: int) -> float | None:
