@@ -337,7 +337,7 @@ def test_report_and_summary_name_the_fastest_plain_decoding_only_when_it_is_not_
                "fastest_plain": [{"temperature": 0.0, "system": "ar-1row"}],
                "speedups_over_fastest_plain": speedups_over_fastest_plain(rows)}
     report = markdown(results, [])
-    assert "## Speedup vs the fastest plain decoding (`ar-1row` at T = 0.0;" in report
+    assert "## Speedup vs the fastest plain decoding (`ar-1row` at T = 0.0) (same run;" in report
     assert "| bp | d | 0.0 | 1 | 1.00 | 12.5 | 2.00x |" in report
     outcome = type("Outcome", (), {"results": results, "interrupted": False, "paths": [tmp_path / "results.json"]})
     assert "vs ar-1row (the fastest plain decoding): 2.00x" in summary(outcome)

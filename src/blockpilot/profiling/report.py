@@ -97,34 +97,29 @@ def _fmt(x, digits: int = 2, scale: float = 1.0) -> str:
 
 
 def _speedup_table(results: dict) -> str:
-    lines = [f"## Speedup vs `{results['reference']}` (same run; time per output token, pooled)\n",
-             "| system | dataset | T | requests | mean tau | speedup with prefill | speedup decode only |",
-             "|---|---|---|---|---|---|---|"]
-    several = len(results["workload"]["datasets"]) > 1  # else the "all" rows repeat the dataset's
-    for e in results["speedups"]:
-        if e["dataset"] == "all" and not several:
-            continue
-        lines.append(f"| {e['system']} | {e['dataset']} | {e['temperature']} | {e['requests']} | {_fmt(e['tau'])} | "
-                     f"{_fmt(e['with_prefill'])}x | {_fmt(e['decode_only'])}x |")
-    return "\n".join(lines) + "\n"
+    return _speedups_markdown(results, results["speedups"], f"`{results['reference']}`")
 
 
 def _fastest_plain_table(results: dict) -> str:
-    """Speedups over the fastest plain decoding of each temperature, with pooled tokens/s; left out when that
-    is the reference at every temperature (the table above then says it all)."""
+    """Speedups over the fastest plain decoding of each temperature; left out when that is the reference at
+    every temperature (the table above then says it all)."""
     fastest = results.get("fastest_plain") or []  # absent in results.json files of older versions
     if all(f["system"] == results["reference"] for f in fastest):
         return ""
     bars = ", ".join(f"`{f['system']}` at T = {f['temperature']}" for f in fastest)
-    lines = [f"## Speedup vs the fastest plain decoding ({bars}; same run; time per output token, pooled)\n",
+    return _speedups_markdown(results, results["speedups_over_fastest_plain"], f"the fastest plain decoding ({bars})")
+
+
+def _speedups_markdown(results: dict, entries: list[dict], reference: str) -> str:
+    lines = [f"## Speedup vs {reference} (same run; time per output token, pooled)\n",
              "| system | dataset | T | requests | mean tau | tokens/s (pooled) | speedup with prefill | "
              "speedup decode only |", "|---|---|---|---|---|---|---|---|"]
-    several = len(results["workload"]["datasets"]) > 1
-    for e in results["speedups_over_fastest_plain"]:
+    several = len(results["workload"]["datasets"]) > 1  # else the "all" rows repeat the dataset's
+    for e in entries:
         if e["dataset"] == "all" and not several:
             continue
         lines.append(f"| {e['system']} | {e['dataset']} | {e['temperature']} | {e['requests']} | {_fmt(e['tau'])} | "
-                     f"{_fmt(e['tokens_per_s'], 1)} | {_fmt(e['with_prefill'])}x | {_fmt(e['decode_only'])}x |")
+                     f"{_fmt(e.get('tokens_per_s'), 1)} | {_fmt(e['with_prefill'])}x | {_fmt(e['decode_only'])}x |")
     return "\n".join(lines) + "\n"
 
 
