@@ -18,7 +18,7 @@ more later turns (`LATER_TURNS`' second file; stage 8 trained on them, session 2
 output's size and md5 are not recorded (the label sets in `runs/predictor/` were not on that machine). Session 27
 added 1,347 later turns (`LATER_TURNS`' fourth file) and session 28 3,225 more package-code answers
 (`PACKAGE_CODE`' second file); stage 10 (session 29) trained on both with `--focus` (below): 5,478 rows, md5
-3076b3fe....
+3076b3fe.... Session 30 answered 2,291 more package-code prompts (`PACKAGE_CODE`' third file), untrained so far.
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -48,7 +48,8 @@ ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-35
 LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz", "data/smollm2-sharegpt-answers-later2-2117.jsonl.gz",
                "data/smollm2-sharegpt-answers-later3-302.jsonl.gz",
                "data/smollm2-sharegpt-answers-later4-1347.jsonl.gz"]
-PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz", "data/smollm2-package-code-answers2-3225.jsonl.gz"]
+PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz", "data/smollm2-package-code-answers2-3225.jsonl.gz",
+                "data/smollm2-package-code-answers3-2291.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
 MATH_KEPT = 600
