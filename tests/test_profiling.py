@@ -315,7 +315,8 @@ def test_speedups_are_also_taken_over_the_fastest_plain_decoding_of_each_tempera
     rows += [{**r, "temperature": 1.0, "total_s": r["total_s"] * (2 if r["system"] == "ar-1row" else 1)}
              for r in rows]
     assert fastest_plain(rows) == {0.0: "ar-1row", 1.0: "ar"}
-    entries = {(e["system"], e["temperature"]): e for e in speedups_over_fastest_plain(rows) if e["dataset"] == "all"}
+    entries = {(e["system"], e["temperature"]): e for e in speedups_over_fastest_plain(rows, fastest_plain(rows))
+               if e["dataset"] == "all"}
     assert {(s, t): e["reference"] for (s, t), e in entries.items() if s == "bp"} == {("bp", 0.0): "ar-1row",
                                                                                    ("bp", 1.0): "ar"}
     assert entries[("bp", 0.0)]["with_prefill"] == pytest.approx(3.5 / 1.5)
@@ -335,7 +336,7 @@ def test_report_and_summary_name_the_fastest_plain_decoding_only_when_it_is_not_
                "machine": {"cpu": "cpu", "cpu_count": 2, "torch_threads": 2, "device": "cpu"}, "timing": "clock",
                "versions": {}, "speedups": speedups(rows, "ar"), "aggregates": [],
                "fastest_plain": [{"temperature": 0.0, "system": "ar-1row"}],
-               "speedups_over_fastest_plain": speedups_over_fastest_plain(rows)}
+               "speedups_over_fastest_plain": speedups_over_fastest_plain(rows, {0.0: "ar-1row"})}
     report = markdown(results, [])
     assert "## Speedup vs the fastest plain decoding (`ar-1row` at T = 0.0) (same run;" in report
     assert "| bp | d | 0.0 | 1 | 1.00 | 12.5 | 2.00x |" in report

@@ -220,6 +220,7 @@ def _results(options: ProfileOptions, plan: Plan, systems: list[System], rows: l
     from blockpilot.profiling.timing import machine_description, software_versions, timing_method
 
     s = options.sources
+    fastest = fastest_plain(rows)
     names = [system.name for system in systems]
     names += ["bp-oracle"] if any(r["system"] == "bp-oracle" for r in rows) else []
     datasets: dict[str, int] = {}
@@ -242,8 +243,8 @@ def _results(options: ProfileOptions, plan: Plan, systems: list[System], rows: l
         "versions": software_versions(),
         "errors": greedy_mismatches([r for r in rows if r["derived_from"] is None]),
         "speedups": speedups(rows, REFERENCE),
-        "fastest_plain": [{"temperature": t, "system": system} for t, system in fastest_plain(rows).items()],
-        "speedups_over_fastest_plain": speedups_over_fastest_plain(rows),
+        "fastest_plain": [{"temperature": t, "system": system} for t, system in fastest.items()],
+        "speedups_over_fastest_plain": speedups_over_fastest_plain(rows, fastest),
         "aggregates": aggregates(rows),
         "rows": rows,
     }

@@ -114,11 +114,11 @@ def fastest_plain(rows: list[dict]) -> dict[float, str]:
     return fastest
 
 
-def speedups_over_fastest_plain(rows: list[dict]) -> list[dict]:
-    """`speedups` of every system over the fastest plain decoding of its temperature (`fastest_plain`);
-    each entry also names that system as `reference`."""
+def speedups_over_fastest_plain(rows: list[dict], fastest: dict[float, str]) -> list[dict]:
+    """`speedups` of every system over the fastest plain decoding of its temperature (`fastest`, what
+    `fastest_plain(rows)` returns); each entry also names that system as `reference`."""
     entries = []
-    for temperature, reference in fastest_plain(rows).items():
+    for temperature, reference in fastest.items():
         at_t = [r for r in rows if r["temperature"] == temperature]
         entries += [{**e, "reference": reference} for e in speedups(at_t, reference)]
     return entries
