@@ -18,7 +18,9 @@ more later turns (`LATER_TURNS`' second file; stage 8 trained on them, session 2
 output's size and md5 are not recorded (the label sets in `runs/predictor/` were not on that machine). Session 27
 added 1,347 later turns (`LATER_TURNS`' fourth file) and session 28 3,225 more package-code answers
 (`PACKAGE_CODE`' second file); stage 10 (session 29) trained on both with `--focus` (below): 5,478 rows, md5
-3076b3fe.... Session 30 answered 2,291 more package-code prompts (`PACKAGE_CODE`' third file), untrained so far.
+3076b3fe.... Sessions 30 and 31 added 2,809 more package-code answers (`PACKAGE_CODE`' third and fourth files;
+stage 11, session 31, trained on them alone and was not shipped) and 1,301 later turns (`LATER_TURNS`' fifth file,
+untrained so far).
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
