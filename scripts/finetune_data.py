@@ -19,8 +19,8 @@ output's size and md5 are not recorded (the label sets in `runs/predictor/` were
 added 1,347 later turns (`LATER_TURNS`' fourth file) and session 28 3,225 more package-code answers
 (`PACKAGE_CODE`' second file); stage 10 (session 29) trained on both with `--focus` (below): 5,478 rows, md5
 3076b3fe.... Sessions 30 and 31 added 2,809 more package-code answers (`PACKAGE_CODE`' third and fourth files;
-stage 11, session 31, trained on them alone and was not shipped) and 1,301 later turns (`LATER_TURNS`' fifth file,
-untrained so far).
+stage 11, session 31, trained on them alone and was not shipped) and 1,301 later turns (`LATER_TURNS`' fifth file);
+stage 12 (session 32, shipped) trained on all three with `--focus`: 5,007 rows, md5 256491c2....
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
