@@ -3,7 +3,7 @@
 # drafter's MODEL_CARD), each step skipped when its output is already in $C:
 #   1. the mix: every row of the FOCUS answer files, then REPLAY seeded rows of every other answer file of data/
 #      (scripts/finetune_data.py; it leaves out the predictor's label sets, so runs/predictor/ must hold them:
-#      scripts/make_predictor.sh writes them first)
+#      when they are missing, `SETS_ONLY=1 scripts/make_predictor.sh` writes them first, in seconds)
 #   2. `blockpilot train-drafter` from DRAFTER: the target's taps first (~1,100 tokens/s on a 2-core AMD EPYC), then
 #      BUDGET minutes of steps; rerun the script after an interruption and it resumes from the last checkpoint
 #   3. the fine-tune averaged with its start (scripts/interpolate_drafters.py --alpha ALPHA) -> $C/soup
@@ -45,6 +45,7 @@ mkdir -p "$C/eval"
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$C/stage.log"; }
 
 if [ ! -s "$C/mix.jsonl" ]; then
+  [ -f runs/predictor/heldout.jsonl ] || SETS_ONLY=1 PY="$PY" scripts/make_predictor.sh | tee -a "$C/stage.log"
   focus=(); for f in $FOCUS; do focus+=(--focus "$f"); done
   $PY scripts/finetune_data.py "${focus[@]}" --replay "$REPLAY" --out "$C/mix.jsonl.tmp" | tee -a "$C/stage.log"
   mv "$C/mix.jsonl.tmp" "$C/mix.jsonl"

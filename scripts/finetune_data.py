@@ -99,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     missing = [p for p in LABEL_SETS + args.focus if not (ROOT / p).exists()]
     if missing:
-        hint = "run scripts/make_predictor.sh first (it writes the label sets before it labels)" \
+        hint = "write them first with `SETS_ONLY=1 scripts/make_predictor.sh` (seconds)" \
             if missing[0] in LABEL_SETS else "give a file under data/"
         raise SystemExit(f"error: {missing[0]} is missing; {hint}")
     label_rows = [row for path in LABEL_SETS for row in read_answer_rows(ROOT / path)]

@@ -12,6 +12,8 @@
 #                                             # takes the request's temperature as an input
 #   LIMIT=64 scripts/make_predictor.sh        # fewer prompts (the dataset resumes: rerun to add more)
 #   SAMPLED= scripts/make_predictor.sh        # T = 0 labels only (a predictor without the temperature input)
+#   SETS_ONLY=1 scripts/make_predictor.sh     # only write the five prompt sets to $RUNS and stop (seconds; what
+#                                             # scripts/finetune_data.py and scripts/cpu_stage.sh need)
 #
 # Environment (defaults in brackets):
 #   ANSWERS [data/smollm2-answers-9831.jsonl.gz]  the answers file the drafter was trained on
@@ -78,6 +80,10 @@ with open(f"{runs}/sharegpt-open-300.jsonl", "w") as out:
 with open(f"{runs}/champ.jsonl", "w") as out:
     out.writelines(json.dumps(r) + "\n" for r in rows(champ))
 EOF
+if [[ -n "${SETS_ONLY:-}" ]]; then
+  echo "wrote the label sets to $RUNS (SETS_ONLY: nothing labelled)"
+  exit 0
+fi
 # The step-cost table of the backend that runs the embedded default (onnxruntime fp32 engine dir), timed
 # with the default threads (as `generate` and `profile` run) on the first LOOP_PROMPTS prompts of each
 # label set but the held-out split (its templated arithmetic is not what the embedded default serves).
