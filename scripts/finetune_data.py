@@ -49,7 +49,8 @@ ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-35
            "data/smollm2-sharegpt-answers-open2-426.jsonl.gz"]
 LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz", "data/smollm2-sharegpt-answers-later2-2117.jsonl.gz",
                "data/smollm2-sharegpt-answers-later3-302.jsonl.gz",
-               "data/smollm2-sharegpt-answers-later4-1347.jsonl.gz", "data/smollm2-sharegpt-answers-later5-1301.jsonl.gz"]
+               "data/smollm2-sharegpt-answers-later4-1347.jsonl.gz", "data/smollm2-sharegpt-answers-later5-1301.jsonl.gz",
+               "data/smollm2-sharegpt-answers-later6-1420.jsonl.gz"]
 PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz", "data/smollm2-package-code-answers2-3225.jsonl.gz",
                 "data/smollm2-package-code-answers3-2291.jsonl.gz", "data/smollm2-package-code-answers4-518.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
