@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One CPU fine-tune stage of the shipped SmolLM2 drafter, unattended and resumable (the recipe of stages 7-9 in the
 # drafter's MODEL_CARD), each step skipped when its output is already in $C:
-#   1. the mix: every row of the FOCUS answer files, then REPLAY seeded rows of every other answer file of data/
+#   1. the mix: every row of the FOCUS answer files, then REPLAY seeded rows of every other answer file of data/,
+#      or more when the mix would otherwise hold fewer than MIX rows (45 minutes of steps on ~2,300 rows overfit:
+#      ~8 passes, the held-out tau falling from the first evaluation on; stage 13's first try)
 #      (scripts/finetune_data.py; it leaves out the predictor's label sets, so runs/predictor/ must hold them:
 #      when they are missing, `SETS_ONLY=1 scripts/make_predictor.sh` writes them first, in seconds)
 #   2. `blockpilot train-drafter` from DRAFTER: the target's taps first (~1,100 tokens/s on a 2-core AMD EPYC), then
@@ -18,7 +20,7 @@
 #   FOCUS="data/new-a.jsonl.gz data/new-b.jsonl.gz" C=~/.cache/blockpilot/train-runs/s29 SEED=10 scripts/cpu_stage.sh
 #
 # Environment (defaults in brackets): FOCUS (required)  C [~/.cache/blockpilot/train-runs/stage]  REPLAY [1000]
-#   BUDGET [45] minutes of steps  SEED [0] the trainer's  LR [2e-4]  SEQS [16]  ANCHORS [32]  VALID [64]
+#   MIX [4000]  BUDGET [45] minutes of steps  SEED [0] the trainer's  LR [2e-4]  SEQS [16]  ANCHORS [32]  VALID [64]
 #   ALPHA [0.5]  BLOCKS [2,3,4,6,8]  SETS [humaneval mtbench]  LIMIT [all] prompts per set (quick checks)
 #   BASE_EVAL [replay DRAFTER]  DRAFTER [the shipped drafter]  ANSWERS_DIR [~/.cache/blockpilot/eval/answers] the
 #   target's greedy answers to the sets (made once, ~6 minutes, then reused)
@@ -29,6 +31,7 @@ BP=${BP:-.venv/bin/blockpilot}
 : "${FOCUS:?name the new answer files, e.g. FOCUS=\"data/a.jsonl.gz data/b.jsonl.gz\"}"
 C=${C:-$HOME/.cache/blockpilot/train-runs/stage}
 REPLAY=${REPLAY:-1000}
+MIX=${MIX:-4000}
 BUDGET=${BUDGET:-45}
 SEED=${SEED:-0}
 LR=${LR:-2e-4}
@@ -47,7 +50,7 @@ log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$C/stage.log"; }
 if [ ! -s "$C/mix.jsonl" ]; then
   [ -f runs/predictor/heldout.jsonl ] || SETS_ONLY=1 PY="$PY" scripts/make_predictor.sh | tee -a "$C/stage.log"
   focus=(); for f in $FOCUS; do focus+=(--focus "$f"); done
-  $PY scripts/finetune_data.py "${focus[@]}" --replay "$REPLAY" --out "$C/mix.jsonl.tmp" | tee -a "$C/stage.log"
+  $PY scripts/finetune_data.py "${focus[@]}" --replay "$REPLAY" --mix-size "$MIX" --out "$C/mix.jsonl.tmp" | tee -a "$C/stage.log"
   mv "$C/mix.jsonl.tmp" "$C/mix.jsonl"
 fi
 log "mix: $(wc -l < "$C/mix.jsonl") answers, md5 $(md5sum < "$C/mix.jsonl" | cut -c1-8)"

@@ -76,13 +76,14 @@ def thin_math(rows: list[dict], seed: int) -> list[dict]:
     return kept
 
 
-def focused(focus: list[dict], rest: list[dict], replay: int, seed: int) -> list[dict]:
+def focused(focus: list[dict], rest: list[dict], replay: int, seed: int, mix_size: int = 0) -> list[dict]:
     """A fine-tune on new data that holds on to the old: every row of `focus`, then `replay` rows of
-    `rest` (shuffled with `seed`; rows also in `focus` are not repeated)."""
+    `rest` (shuffled with `seed`; rows also in `focus` are not repeated), or more when that leaves the mix
+    under `mix_size` rows."""
     keys = {row_key(row) for row in focus}
     rest = [row for row in rest if row_key(row) not in keys]
     random.Random(seed).shuffle(rest)
-    return focus + rest[:replay]
+    return focus + rest[:max(replay, mix_size - len(focus))]
 
 
 def main() -> None:
@@ -97,6 +98,9 @@ def main() -> None:
                         help="an answers file under data/ to fine-tune on (repeatable): the output is all of its "
                         "rows, then --replay rows of the rest (what stage 7 did by hand)")
     parser.add_argument("--replay", type=int, default=1000, help="with --focus: rows of the rest that follow")
+    parser.add_argument("--mix-size", type=int, default=0,
+                        help="with --focus: replay more rows when the mix would otherwise be smaller than this "
+                        "(a 45-minute CPU fine-tune overfits a mix of ~2,300 rows: stage 13's first try)")
     args = parser.parse_args()
     missing = [p for p in LABEL_SETS + args.focus if not (ROOT / p).exists()]
     if missing:
@@ -110,7 +114,7 @@ def main() -> None:
     files += [] if args.first_turns_only or args.no_package_code else PACKAGE_CODE
     kept = thin_math(training_rows([f for f in files if f not in args.focus], excluded, opening), args.seed)
     if args.focus:
-        kept = focused(training_rows(args.focus, excluded, opening), kept, args.replay, args.seed)
+        kept = focused(training_rows(args.focus, excluded, opening), kept, args.replay, args.seed, args.mix_size)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({k: row[k] for k in KEYS if k in row}) + "\n" for row in kept)

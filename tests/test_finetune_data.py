@@ -55,3 +55,11 @@ def test_templated_math_is_thinned_to_the_kept_count(script, monkeypatch):
     rows = [_row(f"math {i}", source="synthetic-math") for i in range(10)] + [_row(f"chat {i}") for i in range(4)]
     kept = script.thin_math(rows, seed=0)
     assert sum(row["source"] == "synthetic-math" for row in kept) == 3 and len(kept) == 7
+
+
+def test_a_small_focus_set_is_topped_up_with_replay_rows_to_the_mix_size(script):
+    focus = [_row(f"new {i}") for i in range(5)]
+    rest = [_row(f"old {i}") for i in range(30)]
+    assert len(script.focused(focus, rest, replay=7, seed=0, mix_size=20)) == 20
+    assert len(script.focused(focus, rest, replay=7, seed=0, mix_size=10)) == 12  # --replay already exceeds it
+    assert script.focused(focus, rest, replay=7, seed=0, mix_size=20)[:12] == script.focused(focus, rest, 7, 0)
