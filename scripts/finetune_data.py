@@ -52,7 +52,8 @@ LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz", "data/smollm
                "data/smollm2-sharegpt-answers-later4-1347.jsonl.gz", "data/smollm2-sharegpt-answers-later5-1301.jsonl.gz",
                "data/smollm2-sharegpt-answers-later6-1420.jsonl.gz"]
 PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz", "data/smollm2-package-code-answers2-3225.jsonl.gz",
-                "data/smollm2-package-code-answers3-2291.jsonl.gz", "data/smollm2-package-code-answers4-518.jsonl.gz"]
+                "data/smollm2-package-code-answers3-2291.jsonl.gz", "data/smollm2-package-code-answers4-518.jsonl.gz",
+                "data/smollm2-package-code-answers5-473.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
 MATH_KEPT = 600
