@@ -2,7 +2,8 @@
 each a copy of that layer with its two output projections (`self_attn.o_proj`, `mlp.down_proj`) set to zero, so
 every new layer adds nothing to the residual stream until training moves those projections. The grown drafter
 drafts exactly as its source at the start of a fine-tune (`blockpilot train-drafter --init-from OUT --layers N`),
-the capacity test of the drafter's MODEL_CARD. The output directory is written whole or not at all.
+the capacity test of the drafter's MODEL_CARD. Written in fp16, as `train-drafter` writes drafters; the output
+directory is written whole or not at all, and never over an existing one.
 
     python scripts/grow_drafter.py --drafter <3-layer drafter> --layers 5 --out runs/drafter-5l
 """
@@ -32,11 +33,11 @@ def grow(drafter: DFlashDrafter, layers: int) -> DFlashDrafter:
     grown = DFlashDrafter(grown_config)
     source = drafter.state_dict()
     state = {}
-    for name, tensor in grown.state_dict().items():
+    for name in grown.state_dict():
         if name in source:
             state[name] = source[name].clone()
         elif name.startswith("layers."):
-            _, index, rest = name.split(".", 2)
+            rest = name.split(".", 2)[2]
             state[name] = torch.zeros_like(source[f"layers.{have - 1}.{rest}"]) if rest in ZEROED \
                 else source[f"layers.{have - 1}.{rest}"].clone()
         else:
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (args.drafter / "config.json").is_file():
             raise UserError(f"--drafter {args.drafter}: no drafter there (no config.json); give a drafter directory")
+        if args.out.exists():
+            raise UserError(f"--out {args.out} exists; remove it or name another directory")
         source = load_drafter(args.drafter)
         save_drafter(grow(source, args.layers).half(), args.out)
     except UserError as exc:

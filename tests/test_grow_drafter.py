@@ -71,12 +71,16 @@ def test_the_new_layers_receive_gradients(script, models, tmp_path):
     assert new.mlp.down_proj.weight.grad.abs().sum() > 0
 
 
-def test_too_few_layers_and_a_missing_drafter_are_one_line_errors(script, models, tmp_path, capsys):
+def test_too_few_layers_a_missing_drafter_and_an_existing_output_are_one_line_errors(script, models, tmp_path,
+                                                                                     capsys):
     _, _, source = models
-    cases = [(["--drafter", str(source), "--layers", "1", "--out", str(tmp_path / "same")], "already has 1"),
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    cases = [(["--drafter", str(source), "--layers", "3", "--out", str(existing)], "exists"),
+             (["--drafter", str(source), "--layers", "1", "--out", str(tmp_path / "same")], "already has 1"),
              (["--drafter", str(tmp_path / "missing"), "--layers", "3", "--out", str(tmp_path / "x")], "no drafter")]
     for argv, words in cases:
         assert script.main(argv) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["existing"] and not any(existing.iterdir())
