@@ -38,8 +38,8 @@ def grow(drafter: DFlashDrafter, layers: int) -> DFlashDrafter:
             state[name] = source[name].clone()
         elif name.startswith("layers."):
             rest = name.split(".", 2)[2]
-            state[name] = torch.zeros_like(source[f"layers.{have - 1}.{rest}"]) if rest in ZEROED \
-                else source[f"layers.{have - 1}.{rest}"].clone()
+            last = source[f"layers.{have - 1}.{rest}"]
+            state[name] = torch.zeros_like(last) if rest in ZEROED else last.clone()
         else:
             raise RuntimeError(f"grown drafter has a tensor its source lacks: {name}")
     grown.load_state_dict(state)

@@ -65,9 +65,9 @@ def test_the_new_layers_receive_gradients(script, models, tmp_path):
     new = grown.layers[1]
     x = torch.randn(1, 4, grown.config.layers.hidden_size)
     h = new.post_attention_layernorm(x)
-    out = new.mlp(h)
-    assert not out.any()  # the new layer adds nothing yet
-    (out * torch.randn_like(out)).sum().backward()  # any loss that depends on the layer's output
+    added = new.mlp(h)
+    assert not added.any()  # the new layer adds nothing yet
+    (added * torch.randn_like(added)).sum().backward()  # any loss that depends on the layer's output
     assert new.mlp.down_proj.weight.grad.abs().sum() > 0
 
 
