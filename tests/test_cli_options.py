@@ -147,6 +147,9 @@ def test_dtypes_have_one_set_of_names_with_torch_aliases():
     (["build", "--out", "x", "--block-sizes", "6-x"], "argument --block-sizes: block sizes '6-x'"),
     (["generate", "--prompt", "hi", "--dtype", "fp8"], "argument --dtype: dtype 'fp8'"),
     (["generate", "--prompt", "hi", "--backend", "vllm"], "argument --backend: invalid choice"),
+    (["generate", "--prompt", "hi", "--lookup", "sometimes"], "argument --lookup: invalid choice"),
+    (["profile", "--dataset", "humaneval", "--out", "x", "--lookup", "greedy,sometimes"],
+     "argument --lookup: lookup values 'greedy,sometimes'"),
 ])
 def test_usage_errors_are_one_line_exit_2_naming_the_flag(argv, needle, capsys):
     code, out, err = run_cli(argv, capsys)

@@ -168,6 +168,7 @@ def test_greedy_speculative_output_with_a_reduced_vocab_drafter_equals_plain_dec
 def test_replay_drafts_over_the_draft_vocabulary_like_the_runtime(models):
     """Exact T=0 replay (tau measurement, labels) uses the same restricted argmax as `TorchBackend.draft`."""
     runner = Runner.from_dir(models["target"], drafter_dir=models["reduced"])
+    runner.lookup = "off"  # every step drafts with the drafter, as the replay does
     for ids in PROMPTS:
         out = _generate(runner, ids, block_size=4)
         sequence = out["output_ids"][0, 0, :len(ids) + 20].tolist()

@@ -49,7 +49,7 @@ def test_full_block_accepts_and_bonus_token_with_oracle_drafter(tiny):
 
     target_dir, drafter_dir = tiny
     backend = TargetContinuationBackend(load_target(target_dir), load_drafter(drafter_dir))
-    runner = Runner(backend)
+    runner = Runner(backend, lookup="off")  # every draft from the oracle, none copied from the context
     n = 40
     for ids in PROMPTS[:2]:
         expected = _hf_greedy(target_dir, ids, n)

@@ -143,6 +143,32 @@ def add_dtype_arg(parser, help_text: str, default: str | None = "fp32") -> None:
                         metavar="{" + ",".join(DTYPES) + "}", help=help_text)
 
 
+LOOKUP_HELP = ("which requests copy their draft from the context where its last tokens occurred before, instead "
+               "of calling the drafter (prompt lookup; lossless): greedy (default: T = 0 requests), all, off")
+
+
+LOOKUPS = ("greedy", "all", "off")  # runtime.runner.LOOKUPS, kept here so --help needs no torch
+
+
+def parse_lookups(text: str) -> list[str]:
+    """`greedy,off` -> ["greedy", "off"] (each value once, in order)."""
+    values = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [v for v in values if v not in LOOKUPS]
+    if unknown or not values:
+        raise UserError(f"lookup values {text!r}: give one or more of {', '.join(LOOKUPS)}, comma-separated")
+    return values
+
+
+def add_lookup_arg(parser, many: bool = False) -> None:
+    """`--lookup` (`Runner.lookup`); with `many` (profile) a comma list, one system per value."""
+    if many:
+        parser.add_argument("--lookup", type=argument_type(parse_lookups), default=["greedy"], metavar="LIST",
+                            help=LOOKUP_HELP + "; a comma list (e.g. greedy,off) profiles each block size once per "
+                            "value, the systems of later values named with a -lookup-VALUE suffix")
+    else:
+        parser.add_argument("--lookup", choices=LOOKUPS, default="greedy", help=LOOKUP_HELP)
+
+
 def add_model_args(parser, *, peers: bool = False) -> None:
     """The model options of generate, demo and profile, in one argument group.
 
@@ -336,6 +362,7 @@ def open_runner(args: argparse.Namespace) -> OpenedRunner:
         runner = Runner.from_dir(choice.target, drafter_dir=choice.drafter, backend=choice.backend,
                                  device=choice.runner_device, dtype=torch_dtype(choice.dtype),
                                  predictor=choice.predictor, predictor_any_backend=choice.predictor_any_backend)
+    runner.lookup = getattr(args, "lookup", runner.lookup)
     note = None
     if runner.backend.drafter_config is None:
         note = "no drafter, decoding autoregressively (block size 1); pass --drafter DIR for speculation"

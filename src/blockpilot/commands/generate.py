@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from blockpilot.commands.common import add_model_args, open_runner, parse_block_size
+from blockpilot.commands.common import add_lookup_arg, add_model_args, open_runner, parse_block_size
 from blockpilot.errors import UserError
 from blockpilot.text import chat_prompt_ids, load_tokenizer, one_line
 
@@ -32,6 +32,7 @@ def add_parser(subparsers) -> None:
         "tau and tokens/s go to stderr.",
     )
     add_model_args(p)
+    add_lookup_arg(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts-file", type=Path,

@@ -349,12 +349,16 @@ def label_prompts(runner, prompts: list[tuple[int, str, list[int]]], settings: L
     Each row is written as its own part file as soon as it is done, so an interrupted run loses
     at most one prompt; the parts are consolidated at the end.
 
+    The runner decodes without lookup drafts (`runtime.lookup`): labels measure the drafter's blocks,
+    as replay labelling does.
+
     Returns:
         The number of rows in the dataset afterwards.
     """
     from tqdm import tqdm
 
-    for index, prompt_id, ids in tqdm(prompts, desc="labelling", unit="prompt", disable=not progress):
-        row = label_prompt(runner, ids, settings, seed=settings.seed * 1_000_003 + index)
-        save_rows_atomic([prompt_id], row, out / PARTS / f"{index:07d}.safetensors")
+    with runner.lookup_set_to("off"):
+        for index, prompt_id, ids in tqdm(prompts, desc="labelling", unit="prompt", disable=not progress):
+            row = label_prompt(runner, ids, settings, seed=settings.seed * 1_000_003 + index)
+            save_rows_atomic([prompt_id], row, out / PARTS / f"{index:07d}.safetensors")
     return consolidate(out)

@@ -32,6 +32,8 @@ class ProfileOptions:
         baselines: registry names; "ar" is always measured (the reference).
         candidates: block sizes of the sweep (None: the predictor's, else B_train +- 2).
         oracle_by: "tau" or "time" (see `measure.oracle_rows`).
+        lookups: `Runner.lookup` values; each of our runner's block sizes runs once per value, the
+            systems of the second and later values named with a `-lookup-<value>` suffix.
         limit, max_new_tokens, warmup, seed: workload size and reproducibility.
         command: the command line, recorded in the report.
         progress: show a tqdm bar.
@@ -45,6 +47,7 @@ class ProfileOptions:
     baselines: list[str] = dataclasses.field(default_factory=lambda: ["ar"])
     candidates: list[int] | None = None
     oracle_by: str = "tau"
+    lookups: list[str] = dataclasses.field(default_factory=lambda: ["greedy"])
     limit: int | None = None
     max_new_tokens: int = 128
     warmup: int = 1
@@ -139,7 +142,9 @@ def _build_systems(options: ProfileOptions, models: Models, registry: SystemRegi
                 ours[name] = block
             sweep += [name] if mode in ("sweep", "oracle") and name not in sweep else []
     ordered = sorted(ours.items(), key=lambda item: (item[1] == "auto", item[1] if item[1] != "auto" else 0))
-    systems = [registry.create(REFERENCE, models)] + [RunnerSystem(name, models, block) for name, block in ordered]
+    systems = [registry.create(REFERENCE, models)] + [
+        RunnerSystem(name + (f"-lookup-{lookup}" if i else ""), models, block, lookup=lookup)
+        for name, block in ordered for i, lookup in enumerate(options.lookups)]
     return systems + [p for p in peers if p.name not in {s.name for s in systems}], sweep
 
 

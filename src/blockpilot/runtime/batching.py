@@ -31,6 +31,7 @@ import torch
 
 from blockpilot.errors import UserError
 from blockpilot.runtime.backend import DecodeState
+from blockpilot.runtime.lookup import PromptLookup
 from blockpilot.runtime.sampling import (SamplingParams, accepted_draft_counts, committed_tokens, draft_distribution,
                                         block_verify_block, draw_categorical, logits_to_probs,
                                         rejection_sample_block, sample_tokens)
@@ -82,6 +83,7 @@ class _Active:
     adaptive: bool = False  # the block size came from the predictor and may be revised downwards
     moving: bool = False  # leaving one group for another (its tokens are already reported)
     proposal: tuple[torch.Tensor, torch.Tensor] | None = None  # sampled draft: (columns (K-1,), q (K-1, N))
+    lookup: PromptLookup | None = None  # copied drafts (`runtime.lookup`), None: the drafter's only
 
 
 @dataclasses.dataclass
@@ -162,8 +164,9 @@ class BatchDecoder:
             block_size = 1
         result.block_size = k = runner.choose_block_size(result, block_size, prefill, params.temperature)
         adaptive = block_size in (None, "auto") and hasattr(runner.policy, "revise") and k > 1
+        lookup = PromptLookup(ids) if runner.uses_lookup(params) else None
         active = _Active(next(self._ids), result, params, generator, request.max_new_tokens, end_id, k, last,
-                         prefill.taps, 0, len(ids), capacity, state, adaptive=adaptive)
+                         prefill.taps, 0, len(ids), capacity, state, adaptive=adaptive, lookup=lookup)
         active.done = self._commit(active, [int(last)])
         self._joining.append(active)
         return active.id
@@ -271,7 +274,8 @@ class BatchDecoder:
             events.append(self._event(active))
             if active.done:
                 continue
-            active.pending_taps = verify.taps[row:row + 1, : a + 1]
+            # after a step that copied its draft the drafter has not seen the previous step's taps yet
+            active.pending_taps = torch.cat((active.pending_taps, verify.taps[row:row + 1, : a + 1]), dim=1)
             active.pos += a + 1
             active.last = last
             if self._revise(active):
@@ -303,9 +307,15 @@ class BatchDecoder:
         return True
 
     def _draft_rows(self, state: DecodeState, members: list[_Active]) -> torch.Tensor:
-        """Drafts `(B, k - 1)` of `members` (the rows of `state`, in order) in one drafter call."""
+        """Drafts `(B, k - 1)` of `members` (the rows of `state`, in order): copied by lookup where the
+        row's context allows it, else from one drafter call, which is skipped when every row copies (its
+        taps then wait for the next call)."""
         if members[0].k == 1:
             return torch.zeros((len(members), 0), dtype=torch.long)
+        copies = {row: copy for row, a in enumerate(members)
+                  if a.lookup is not None and (copy := a.lookup.propose(a.k - 1)) is not None}
+        if len(copies) == len(members):
+            return torch.tensor([copies[row] for row in range(len(members))], dtype=torch.long)
         counts = [a.pending_taps.shape[1] for a in members]
         width = max(counts)
         taps = torch.zeros((len(members), width, members[0].pending_taps.shape[2]), dtype=members[0].pending_taps.dtype)
@@ -325,6 +335,11 @@ class BatchDecoder:
                                        new_counts=torch.tensor(counts, dtype=torch.int64), **extra)
         if sampled:
             draft = self._sample_drafts(members, draft)
+        if copies:
+            draft = draft.clone()
+            for row, copy in copies.items():
+                draft[row] = torch.tensor(copy, dtype=draft.dtype)
+                members[row].proposal = None  # a copied draft is judged by "sample, then match"
         for a, n in zip(members, counts):
             a.ctx_start += n
             a.pending_taps = a.pending_taps[:, :0]
@@ -362,6 +377,8 @@ class BatchDecoder:
         before = len(result.output_tokens)
         done = self.runner.commit(result, tokens, active.max_new_tokens, active.end_id)
         active.new_tokens += result.output_tokens[before:]
+        if active.lookup is not None:
+            active.lookup.extend(result.output_tokens[before:])
         return done
 
     @staticmethod

@@ -6,12 +6,16 @@ size 1 is plain autoregressive decoding (no drafting, one-token verify steps). P
     prefill -> first token -> [choose block size] -> repeat {draft K-1 tokens, verify K tokens,
     accept the longest matching prefix + 1 bonus token} until max_new_tokens or end_id.
 
+The K-1 drafts come from the drafter, or, on a greedy request's steps whose context ends in a few
+tokens that occurred before, are copied from what followed them (`runtime.lookup`).
+
 The loop records counts and step boundaries through `clock` (wall time by default; profiling can
 pass a clock that synchronizes the GPU first).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -23,6 +27,8 @@ import torch
 from blockpilot.errors import UserError
 from blockpilot.runtime.backend import Backend
 from blockpilot.runtime.sampling import VERIFICATIONS, SamplingParams
+
+LOOKUPS = ("greedy", "all", "off")  # which requests may copy drafts by lookup (`runtime.lookup`)
 
 
 @dataclasses.dataclass
@@ -107,14 +113,18 @@ class Runner:
         verification: how sampled drafts are judged: "block" (default; block verification, which keeps
             the most tokens per step any lossless verifier of the same drafts can) or "token" (slot-by-slot
             rejection sampling). Both are lossless; see `runtime.sampling`.
+        lookup: which requests draft by lookup (`runtime.lookup`: a copy of what followed the last
+            time the context ended the same way, used instead of the drafter's block where one exists):
+            "greedy" (default: T = 0 requests), "all", or "off". Lossless in every case.
     """
 
     def __init__(self, backend: Backend, *, policy=None, default_block_size: int | None = None,
                  end_id: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 sampled_drafts: bool = True, verification: str = "block"):
+                 sampled_drafts: bool = True, verification: str = "block", lookup: str = "greedy"):
         self.backend = backend
         self.sampled_drafts = sampled_drafts
         self.verification = verification
+        self.lookup = lookup
         self.policy = policy
         dc = backend.drafter_config
         self.default_block_size = default_block_size or (dc.block_size if dc is not None else 1)
@@ -131,6 +141,31 @@ class Runner:
         if rule not in VERIFICATIONS:
             raise UserError(f"unknown verification {rule!r}: choose one of {', '.join(VERIFICATIONS)}")
         self._verification = rule
+
+    @property
+    def lookup(self) -> str:
+        """Which requests draft by lookup: "greedy", "all" or "off" (see the class docstring)."""
+        return self._lookup
+
+    @lookup.setter
+    def lookup(self, which: str) -> None:
+        if which not in LOOKUPS:
+            raise UserError(f"unknown lookup {which!r}: choose one of {', '.join(LOOKUPS)}")
+        self._lookup = which
+
+    @contextlib.contextmanager
+    def lookup_set_to(self, which: str):
+        """`lookup` is `which` inside the block, and what it was afterwards."""
+        saved, self.lookup = self.lookup, which
+        try:
+            yield self
+        finally:
+            self.lookup = saved
+
+    def uses_lookup(self, params: SamplingParams) -> bool:
+        """Whether a request with `params` may copy drafts by lookup."""
+        return self.backend.drafter_config is not None and (
+            self._lookup == "all" or (self._lookup == "greedy" and params.greedy))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, drafter_dir: str | Path | None = None,

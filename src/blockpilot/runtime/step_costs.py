@@ -142,8 +142,14 @@ def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int
     short warm-up generation) at each size: every draft is rejected, so each step commits one token.
     With `prompts` (1-D id tensors of real requests), each round decodes every prompt at each size and a
     round's step time is its decode time over its steps: the drafts are accepted as they are in use, so
-    each step's bookkeeping and the drafter's new context rows are what real requests pay.
+    each step's bookkeeping and the drafter's new context rows are what real requests pay. Every step
+    drafts with the drafter (no lookup drafts, `runtime.lookup`): these are the costs of its blocks.
     """
+    with runner.lookup_set_to("off"):
+        return _time_decode_loop(runner, sizes, context, new_tokens, rounds, prompts)
+
+
+def _time_decode_loop(runner, sizes, context, new_tokens, rounds, prompts) -> dict[int, float]:
     if prompts is None:
         vocab = runner.backend.target_config.vocab_size
         prompts = [torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(1))]

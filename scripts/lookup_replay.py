@@ -1,0 +1,123 @@
+"""Tokens per step of the drafter, of lookup drafts (`blockpilot.runtime.lookup`) and of the two combined,
+by exact greedy replay of the decode loop over the target's own answers (T = 0).
+
+For every answer position the drafter's block is computed once (one batched pass over blocks anchored at
+every position, `training.objective.block_forward`, which is what the decode loop's drafter call computes
+for that position) and the lookup draft from the tokens before it; each rule then replays the greedy
+loop step by step: the drafter alone, lookup alone (a step without a match drafts nothing and keeps one
+token), the runtime's rule (lookup where the context's last `--min-ngram`+ tokens occurred before, the
+drafter elsewhere) for each `--min-ngram`, and a per-step oracle of the two. tau is averaged per prompt,
+then over prompts (DFlash's convention, as `scripts/eval_drafter.py`).
+
+    python scripts/lookup_replay.py --answers ~/.cache/blockpilot/eval/answers/humaneval-greedy-128.jsonl \
+        --answers ~/.cache/blockpilot/eval/answers/mtbench-greedy-128.jsonl --block-sizes 4,6,8 --out lookup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from blockpilot.assets import default_drafter_dir
+from blockpilot.assets.smollm2 import smollm2_dir
+from blockpilot.models.checkpoint import load_drafter, load_target
+from blockpilot.models.dflash import greedy_draft_tokens
+from blockpilot.runtime.lookup import MAX_NGRAM, PromptLookup
+from blockpilot.text import chat_prompt_ids, load_tokenizer
+from blockpilot.training.data import read_answer_rows
+from blockpilot.training.evaluate import sequence_taps
+from blockpilot.training.objective import Batch, block_forward, block_labels
+
+
+def leading_matches(draft, truth) -> int:
+    n = 0
+    for x, y in zip(draft, truth):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@torch.inference_mode()
+def accepted_per_position(target, drafter, ids: list[int], prompt_len: int, block_size: int, min_ngrams,
+                          taps: torch.Tensor | None = None):
+    """Per answer position `pos` (ids[pos] is the block's first token): the drafter's accepted drafts, and
+    per n-gram floor the lookup draft's accepted drafts (None: no match). `taps`: the target's taps of
+    `ids` (`training.evaluate.sequence_taps`; computed when not given)."""
+    n = len(ids)
+    anchors = torch.arange(prompt_len, n - 1)
+    if taps is None:
+        taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
+    batch = Batch(torch.tensor([ids]), taps, torch.tensor([n]), anchors[None], torch.ones(1, len(anchors), dtype=torch.bool))
+    hidden = block_forward(drafter, target.embed_tokens.weight, batch, block_size)[:, 1:]
+    labels, valid = block_labels(batch, block_size)
+    drafts = greedy_draft_tokens(hidden, drafter.draft_head_weight(target.lm_head.weight), drafter.draft_vocab_ids)
+    drafter_acc = ((drafts == labels) & valid).long().cumprod(1).sum(1).tolist()
+    lookups = {m: PromptLookup(ids[:prompt_len], min_ngram=m, max_ngram=max(m, MAX_NGRAM)) for m in min_ngrams}
+    lookup_acc = {m: [] for m in min_ngrams}
+    for pos in range(prompt_len, n - 1):
+        truth = ids[pos + 1: pos + block_size]
+        for m, lookup in lookups.items():
+            lookup.extend([ids[pos]])
+            copy = lookup.propose(block_size - 1)
+            lookup_acc[m].append(None if copy is None else leading_matches(copy, truth))
+    return drafter_acc, lookup_acc
+
+
+def replay(choose, length: int) -> list[int]:
+    """Tokens committed per step of a greedy loop over `length` positions; `choose(i)` -> accepted drafts."""
+    steps, i = [], 0
+    while i < length:
+        a = choose(i)
+        steps.append(a + 1)
+        i += a + 1
+    return steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--answers", type=Path, action="append", required=True, help="greedy answers JSONL (repeatable)")
+    ap.add_argument("--target", type=Path, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--drafter", type=Path, help="default: the shipped drafter")
+    ap.add_argument("--block-sizes", default="4,6,8")
+    ap.add_argument("--min-ngram", default="2,3,4", help="lookup n-gram floors to compare")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    target_dir = args.target or smollm2_dir()
+    target, drafter = load_target(target_dir), load_drafter(args.drafter or default_drafter_dir())
+    tokenizer = load_tokenizer(target_dir)
+    sizes = [int(b) for b in args.block_sizes.split(",")]
+    floors = [int(m) for m in args.min_ngram.split(",")]
+    report = {"drafter": str(args.drafter or default_drafter_dir()), "sets": {}}
+    for path in args.answers:
+        taus: dict[str, list[float]] = {}
+        for row in tqdm(list(read_answer_rows(path)), desc=path.name, unit="answer"):
+            prompt = chat_prompt_ids(tokenizer, row["prompt"])
+            ids = prompt + row["answer_ids"] + ([tokenizer.eos_token_id] if row["finish"] == "stop" else [])
+            taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
+            for b in sizes:
+                drafter_acc, lookup_acc = accepted_per_position(target, drafter, ids, len(prompt), b, floors, taps)
+                rules = {f"b{b} drafter": lambda i: drafter_acc[i],
+                         f"b{b} lookup only": lambda i: lookup_acc[floors[0]][i] or 0}
+                for m in floors:
+                    acc = lookup_acc[m]
+                    rules[f"b{b} lookup n>={m}, else drafter"] = (
+                        lambda i, acc=acc: drafter_acc[i] if acc[i] is None else acc[i])
+                    rules[f"b{b} oracle n>={m}"] = lambda i, acc=acc: max(drafter_acc[i], acc[i] or 0)
+                for name, choose in rules.items():
+                    steps = replay(choose, len(drafter_acc))
+                    taus.setdefault(name, []).append(sum(steps) / len(steps))
+        report["sets"][path.name] = {"answers": len(next(iter(taus.values()))),
+                                    "tau": {k: round(sum(v) / len(v), 4) for k, v in taus.items()}}
+        print(json.dumps({path.name: report["sets"][path.name]}, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
