@@ -189,3 +189,20 @@ def test_the_command_line_offers_the_runners_lookup_values():
 
     assert common.LOOKUPS == runner.LOOKUPS
     assert common.parse_lookups("off, greedy,off") == ["off", "greedy"]
+
+
+def test_copies_that_are_always_wrong_leave_outputs_unchanged_and_the_drafter_only_drafts_first_blocks(
+        tiny, monkeypatch):
+    """With a lookup that always proposes the same wrong tokens, every step copies: outputs still equal
+    plain decoding's, and the drafter runs once per request (its first draft, which consumes the prompt's
+    context before the request joins a batch group)."""
+    plain = Runner.from_dir(tiny[0], drafter_dir=tiny[1])
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, count: [0] * count)
+    counting = CountingDrafts(plain.backend)
+    runner = Runner(counting)
+    prompts = [torch.tensor(ids) for ids in REPEATING]
+    expected = [plain.generate([ids], max_new_tokens=20, block_size=1, end_id=-1) for ids in prompts]
+    together = runner.generate(prompts, max_new_tokens=20, block_size=4, end_id=-1, return_dict=True)
+    for i, alone in enumerate(expected):
+        assert together["output_ids"][i, 0, : alone.shape[-1]].tolist() == alone[0, 0].tolist()
+    assert counting.calls == len(prompts)

@@ -222,7 +222,7 @@ class BatchDecoder:
                 active.result.draft_s += clock() - t0
         for active in joining:  # a first draft alone: its context is as long as its prompt
             t0 = clock()
-            first = self._draft_rows(active.state, [active])
+            first = self._draft_rows(active.state, [active], skip_drafter=False)
             active.result.draft_s += clock() - t0
             index = self._join(active)
             drafts[index] = torch.cat((drafts[index], first)) if index in drafts else first
@@ -306,15 +306,16 @@ class BatchDecoder:
         active.k, active.adaptive = k, k > 1
         return True
 
-    def _draft_rows(self, state: DecodeState, members: list[_Active]) -> torch.Tensor:
+    def _draft_rows(self, state: DecodeState, members: list[_Active], skip_drafter: bool = True) -> torch.Tensor:
         """Drafts `(B, k - 1)` of `members` (the rows of `state`, in order): copied by lookup where the
-        row's context allows it, else from one drafter call, which is skipped when every row copies (its
-        taps then wait for the next call)."""
+        row's context allows it, else from one drafter call. With `skip_drafter` the call is skipped when
+        every row copies (the taps then wait for the next call); a request's first draft makes it anyway,
+        so that its prompt's context never widens the drafter calls of the group it joins."""
         if members[0].k == 1:
             return torch.zeros((len(members), 0), dtype=torch.long)
         copies = {row: copy for row, a in enumerate(members)
                   if a.lookup is not None and (copy := a.lookup.propose(a.k - 1)) is not None}
-        if len(copies) == len(members):
+        if skip_drafter and len(copies) == len(members):
             return torch.tensor([copies[row] for row in range(len(members))], dtype=torch.long)
         counts = [a.pending_taps.shape[1] for a in members]
         width = max(counts)
