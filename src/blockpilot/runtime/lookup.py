@@ -9,15 +9,17 @@ on the steps where such a match exists, and the drafter's block elsewhere; the t
 the same way, so outputs do not change (at T > 0 a copied draft is deterministic and is judged by
 "sample, then match", which is exact for any deterministic draft, see `runtime.sampling`).
 
-Measured by exact greedy replay of the stage-12 drafter at block 6 over the target's 128-token
-answers (all 164 HumanEval problems, all 80 MT-Bench first turns): the drafter alone keeps 2.570 /
-1.856 tokens a step, lookup alone 1.786 / 1.511, lookup where a match of 3+ tokens exists and the
-drafter elsewhere **2.948 / 2.049 (+14.7% / +10.4%)**; a lookup step also skips the drafter's call.
+Measured by exact greedy replay (`scripts/lookup_replay.py`) of the stage-12 drafter over the
+target's 128-token answers to all 164 HumanEval problems / all 80 MT-Bench first turns, tokens a
+step at block 6 (8): the drafter alone 2.693 / 1.925 (2.772 / 1.940), lookup alone 1.884 / 1.610,
+lookup where a match of 3+ tokens exists and the drafter elsewhere **3.104 / 2.227 (3.372 / 2.333)**;
+a floor of 2 tokens gives 2.914 / 2.261, of 4 tokens 3.096 / 2.187. A lookup step also skips the
+drafter's call.
 """
 
 from __future__ import annotations
 
-MIN_NGRAM = 3  # shorter matches copy too often where the drafter knows better (replay: 2-grams win less)
+MIN_NGRAM = 3  # 2-token matches copy too often where the drafter knows better (replay above)
 MAX_NGRAM = 4  # the longest match is tried first
 
 
