@@ -24,6 +24,7 @@ from blockpilot.runtime.runner import Runner
 from builder_fixtures import tiny_engine_dir, tiny_models
 
 PROMPT = [5, 17, 42, 8, 11, 3, 29]
+REPEATING = [5, 17, 42, 5, 17, 42, 5, 17]  # fits the tiny engine: 8 + 24 tokens + a block of 5 <= 39
 
 
 def verify_rows_and_steps(backend, prompt: list[int], block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,13 +62,17 @@ def test_verify_rows_equal_plain_decoding_steps_bit_for_bit(tmp_path_factory, pa
 
 @pytest.mark.parametrize("path", LOSSLESS_PATHS)
 def test_greedy_speculation_equals_plain_decoding_at_every_block_size(tmp_path_factory, path):
+    """With and without lookup drafts (`runtime.lookup`), on a prompt that repeats itself so that steps copy."""
     runner = tiny_path(tmp_path_factory, path)
-    ids = [torch.tensor(PROMPT)]
-    plain = runner.generate(ids, max_new_tokens=24, end_id=-1, block_size=1)
-    for k in range(2, 9):
-        if runner.backend.supports_block_size(k):
-            out = runner.generate(ids, max_new_tokens=24, end_id=-1, block_size=k)
-            assert out.tolist() == plain.tolist(), f"{path}: block size {k}"
+    for prompt in (PROMPT, REPEATING):
+        ids = [torch.tensor(prompt)]
+        plain = runner.generate(ids, max_new_tokens=24, end_id=-1, block_size=1)
+        for lookup in ("greedy", "off"):
+            runner.lookup = lookup
+            for k in range(2, 9):
+                if runner.backend.supports_block_size(k):
+                    out = runner.generate(ids, max_new_tokens=24, end_id=-1, block_size=k)
+                    assert out.tolist() == plain.tolist(), f"{path}: block size {k}, lookup {lookup}"
 
 
 def test_padding_rows_leave_no_trace_in_the_committed_cache(tmp_path_factory):
