@@ -2,7 +2,7 @@
 by exact greedy replay of the decode loop over the target's own answers (T = 0).
 
 For every answer position the drafter's block is computed once (one batched pass over blocks anchored at
-every position, `training.objective.block_forward`, which is what the decode loop's drafter call computes
+every position, `training.evaluate.anchored_correct`, which is what the decode loop's drafter call computes
 for that position) and the lookup draft from the tokens before it; each rule then replays the greedy
 loop step by step: the drafter alone, lookup alone (a step without a match drafts nothing and keeps one
 token), the runtime's rule (lookup where the context's last `--min-ngram`+ tokens occurred before, the
@@ -25,12 +25,10 @@ from tqdm import tqdm
 from blockpilot.assets import default_drafter_dir
 from blockpilot.assets.smollm2 import smollm2_dir
 from blockpilot.models.checkpoint import load_drafter, load_target
-from blockpilot.models.dflash import greedy_draft_tokens
 from blockpilot.runtime.lookup import MAX_NGRAM, PromptLookup
 from blockpilot.text import chat_prompt_ids, load_tokenizer
 from blockpilot.training.data import read_answer_rows
-from blockpilot.training.evaluate import sequence_taps
-from blockpilot.training.objective import Batch, block_forward, block_labels
+from blockpilot.training.evaluate import anchored_correct, sequence_taps
 
 
 def leading_matches(draft, truth) -> int:
@@ -49,14 +47,10 @@ def accepted_per_position(target, drafter, ids: list[int], prompt_len: int, bloc
     per n-gram floor the lookup draft's accepted drafts (None: no match). `taps`: the target's taps of
     `ids` (`training.evaluate.sequence_taps`; computed when not given)."""
     n = len(ids)
-    anchors = torch.arange(prompt_len, n - 1)
     if taps is None:
         taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
-    batch = Batch(torch.tensor([ids]), taps, torch.tensor([n]), anchors[None], torch.ones(1, len(anchors), dtype=torch.bool))
-    hidden = block_forward(drafter, target.embed_tokens.weight, batch, block_size)[:, 1:]
-    labels, valid = block_labels(batch, block_size)
-    drafts = greedy_draft_tokens(hidden, drafter.draft_head_weight(target.lm_head.weight), drafter.draft_vocab_ids)
-    drafter_acc = ((drafts == labels) & valid).long().cumprod(1).sum(1).tolist()
+    correct, _ = anchored_correct(target, drafter, ids, torch.arange(prompt_len, n - 1), block_size, taps)
+    drafter_acc = correct.long().cumprod(1).sum(1).tolist()
     lookups = {m: PromptLookup(ids[:prompt_len], min_ngram=m, max_ngram=max(m, MAX_NGRAM)) for m in min_ngrams}
     lookup_acc = {m: [] for m in min_ngrams}
     for pos in range(prompt_len, n - 1):

@@ -377,9 +377,10 @@ class BatchDecoder:
         result = active.result
         before = len(result.output_tokens)
         done = self.runner.commit(result, tokens, active.max_new_tokens, active.end_id)
-        active.new_tokens += result.output_tokens[before:]
+        committed = result.output_tokens[before:]
+        active.new_tokens += committed
         if active.lookup is not None:
-            active.lookup.extend(result.output_tokens[before:])
+            active.lookup.extend(committed)
         return done
 
     @staticmethod

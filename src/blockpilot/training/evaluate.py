@@ -142,13 +142,21 @@ def anchored_tau(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt
     Each block's acceptance is 1 + its leading correct drafts (blocks whose whole window lies inside
     the answer). It averages over all start positions, where decoding visits only the step starts;
     `replay_accept_lengths` gives the exact trajectory and costs one drafter pass per step."""
-    n = len(ids)
-    anchors = torch.arange(prompt_len, n - block_size + 1, stride)
+    anchors = torch.arange(prompt_len, len(ids) - block_size + 1, stride)
     if len(anchors) == 0:
         return float("nan")
-    batch = Batch(torch.tensor([ids]), taps, torch.tensor([n]), anchors[None], torch.ones(1, len(anchors), dtype=torch.bool))
+    correct, valid = anchored_correct(target, drafter, ids, anchors, block_size, taps)
+    return simulated_tau(correct, valid)
+
+
+@torch.inference_mode()
+def anchored_correct(target: Decoder, drafter: DFlashDrafter, ids: list[int], anchors: torch.Tensor, block_size: int,
+                     taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which greedy drafts are right `(A, block_size - 1)` for a block anchored at each of `anchors` (`ids[a]` is
+    the block's first token), and which slots lie inside `ids`, in one batched drafter pass."""
+    batch = Batch(torch.tensor([ids]), taps, torch.tensor([len(ids)]), anchors[None],
+                  torch.ones(1, len(anchors), dtype=torch.bool))
     hidden = block_forward(drafter, target.embed_tokens.weight, batch, block_size)[:, 1:]
     labels, valid = block_labels(batch, block_size)
     drafts = greedy_draft_tokens(hidden, drafter.draft_head_weight(target.lm_head.weight), drafter.draft_vocab_ids)
-    correct = (drafts == labels) & valid
-    return simulated_tau(correct, valid)
+    return (drafts == labels) & valid, valid
