@@ -187,6 +187,30 @@ def test_lookup_replay_script_replays_the_runtime_steps_exactly(tiny):
     assert checked  # lookup changed some request's steps
 
 
+def test_replay_with_lookup_gives_the_runtimes_steps_and_drafter_calls(tiny):
+    """`training.evaluate.replay_runs(lookup=True)` (what predictor labels replay) commits the tokens a
+    step the runtime commits with lookup on, and counts the drafter calls it makes (T = 0, one request)."""
+    from blockpilot.models.checkpoint import load_drafter, load_target
+    from blockpilot.training.evaluate import replay_runs, sequence_taps
+
+    counting = CountingDrafts(Runner.from_dir(tiny[0], drafter_dir=tiny[1]).backend)
+    runner = Runner(counting)
+    target, drafter = load_target(tiny[0]), load_drafter(tiny[1])
+    n, copied = 30, 0
+    for ids in REPEATING:
+        long = runner.generate([torch.tensor(ids)], max_new_tokens=n + 8, block_size=1, end_id=-1)[0, 0].tolist()
+        taps = sequence_taps(target, long, drafter.config.target_layer_ids)
+        sizes = (2, 3, 6)
+        runs = replay_runs(target, drafter, long, len(ids), sizes, taps, stop_at=len(ids) + n - 1, lookup=True)
+        for b, run in zip(sizes, runs):
+            counting.calls = 0
+            out = runner.generate([torch.tensor(ids)], max_new_tokens=n, block_size=b, end_id=-1, return_dict=True)
+            assert run.steps == out["accept_lengths"][0], (ids, b)
+            assert run.drafted == counting.calls, (ids, b)
+            copied += len(run.steps) - run.drafted
+    assert copied  # some steps copied their drafts
+
+
 def test_the_command_line_offers_the_runners_lookup_values():
     from blockpilot.commands import common
     from blockpilot.runtime import runner

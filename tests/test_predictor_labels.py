@@ -112,9 +112,22 @@ def test_throughput_objective_divides_tau_by_each_candidates_mean_step_time():
             "draft_s": torch.tensor([[4.0, 5.0], [4.0, 7.0]], dtype=torch.float64),
             "verify_s": torch.tensor([[6.0, 7.0], [6.0, 5.0]], dtype=torch.float64)}
     ds = LabelDataset(["a", "b"], rows, {"candidates": [8, 9], "b_train": 8})
-    assert ds.step_cost().tolist() == pytest.approx([1.0, 1.2])
+    assert torch.allclose(ds.step_cost(), torch.tensor([[1.0, 1.2]] * 2, dtype=torch.float64))
     assert ds.labels("tau").tolist() == [1, 1]
     assert ds.labels("throughput").tolist() == [0, 1]  # 3.0 > 3.3 / 1.2; 2.0 < 3.0 / 1.2
+
+
+def test_throughput_objective_prices_steps_that_copied_their_drafts_without_the_drafter_call():
+    from blockpilot.builder.manifest import StepCosts
+
+    table = StepCosts("onnxruntime", "fp32", "m", 256, {1: 20.0, 6: 26.0}, {6: 4.0}, loop_ms={6: 30.0})
+    assert table.step_ms(6) == 30.0 and table.copy_step_ms(6) == 26.0 and table.copy_step_ms(1) == 20.0
+    rows = {"tau": torch.tensor([[1.0, 1.4], [1.0, 1.4]], dtype=torch.float64),
+            "steps": torch.tensor([[40, 40], [40, 40]]), "lookup_steps": torch.tensor([[0, 0], [0, 40]])}
+    ds = LabelDataset(["a", "b"], rows, {"candidates": [1, 6], "b_train": 6, "step_costs": table.to_dict()})
+    assert torch.allclose(ds.step_cost(), torch.tensor([[0.020, 0.030], [0.020, 0.026]], dtype=torch.float64))
+    # 1.4 tokens in 30 ms lose to plain decoding's 1 in 20; in 26 ms (every draft copied) they win
+    assert ds.labels("throughput").tolist() == [0, 1]
 
 
 def test_label_cli_writes_a_dataset_and_resumes_without_redoing_prompts(models, tmp_path, capsys):

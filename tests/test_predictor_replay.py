@@ -62,20 +62,25 @@ def _answers(target, drafter, path):
     return _write_jsonl(path, [{"id": f"q{i}", "prompt": p, **r} for i, (p, r) in enumerate(zip(PROMPTS, rows))])
 
 
-def test_replayed_labels_equal_the_labels_of_decoding_every_candidate(models, tmp_path):
+@pytest.mark.parametrize("lookup", ["greedy", "off"])
+def test_replayed_labels_equal_the_labels_of_decoding_every_candidate(models, tmp_path, lookup):
+    """With lookup drafts (the runtime's default at T = 0) and without: the same steps, tokens and steps
+    that copied their drafts."""
     _, target, drafter, stops_after = models
     prompts = _write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
     answers = _answers(target, drafter, tmp_path / "answers.jsonl")
-    common = dict(target=target, drafter=drafter, max_new_tokens=MAX_NEW, progress=False, clock="cpu")
+    common = dict(target=target, drafter=drafter, max_new_tokens=MAX_NEW, progress=False, clock="cpu", lookup=lookup)
     run_label_job(LabelJob(prompts=prompts, out=tmp_path / "decoded", **common))
     run_label_job(LabelJob(prompts=None, replay_answers=answers, out=tmp_path / "replayed", calibration_prompts=2,
                            calibration_reps=2, **common))
     decoded, replayed = load_label_dataset(tmp_path / "decoded"), load_label_dataset(tmp_path / "replayed")
     assert replayed.ids == decoded.ids == [f"q{i}" for i in range(len(PROMPTS))]
     assert replayed.candidates == decoded.candidates == (1, 2, 3, 4, 5, 6)  # plain decoding and B_train 4 +- 2
-    for key in ("steps", "accepted", "new_tokens", "tau", "prompt_tokens", "pooled", "logits"):
+    for key in ("steps", "accepted", "new_tokens", "tau", "prompt_tokens", "pooled", "logits", "lookup_steps"):
         assert torch.equal(replayed.rows[key], decoded.rows[key]), key
     assert torch.equal(replayed.labels("tau"), decoded.labels("tau"))
+    assert replayed.meta["lookup"] == decoded.meta["lookup"] == (lookup == "greedy")
+    assert (decoded.rows["lookup_steps"] > 0).any() == (lookup == "greedy")
     assert (decoded.rows["tau"] > 1).any()  # drafts were accepted: the comparison is not all rejections
     assert (decoded.rows["new_tokens"][1] == stops_after).all()  # PROMPTS[1] stops at the end id
     assert (decoded.rows["new_tokens"] == MAX_NEW).any()  # others stop at the budget
@@ -87,7 +92,7 @@ def test_replay_step_times_come_from_the_stored_calibration_and_survive_a_resume
     out = tmp_path / "ds"
     args = ["label", "--target", str(target), "--drafter", str(drafter), "--replay-answers", str(answers),
             "--max-new-tokens", str(MAX_NEW), "--out", str(out), "--calibration-prompts", "2",
-            "--calibration-reps", "3", "--note", "prompts also trained the drafter"]
+            "--calibration-reps", "3", "--note", "prompts also trained the drafter", "--lookup", "off"]
     assert cli.main(args + ["--limit", "2"]) == 0
     meta = json.loads((out / "meta.json").read_text())
     calibration = meta["calibration"]
@@ -99,7 +104,7 @@ def test_replay_step_times_come_from_the_stored_calibration_and_survive_a_resume
     ds = load_label_dataset(out)
     per_call = torch.tensor([calibration["draft_s"][str(c)] + calibration["verify_s"][str(c)]
                              for c in ds.candidates], dtype=torch.float64)
-    assert ds.step_cost().tolist() == [ds.step_costs.step_ms(c) / 1e3 for c in ds.candidates]  # the table scores
+    assert ds.step_cost()[0].tolist() == [ds.step_costs.step_ms(c) / 1e3 for c in ds.candidates]  # the table scores
     assert torch.allclose(ds.rows["step_s"][ds.rows["steps"] > 0], per_call.expand(len(ds), -1)[ds.rows["steps"] > 0])
 
 
@@ -164,7 +169,9 @@ def test_throughput_labels_use_the_given_step_cost_table_and_the_predictor_recor
                      str(MAX_NEW), "--out", str(tmp_path / "ds"), "--calibration-prompts", "1",
                      "--calibration-reps", "1"]) == 0
     ds = load_label_dataset(tmp_path / "ds")
-    assert ds.step_costs == table and ds.step_cost().tolist() == [0.01, 1.0]
+    share = ds.rows["lookup_steps"][:, 1].double() / ds.rows["steps"][:, 1]  # steps that copied: no 100 ms draft
+    assert ds.step_costs == table and torch.allclose(ds.step_cost(), torch.stack(
+        (torch.full_like(share, 0.01), 1.0 - 0.1 * share), dim=1))
     assert (ds.rows["tau"][:, 1] > 1).any()  # block 4 has the higher tau on some prompts ...
     assert (ds.labels("throughput") == 0).all()  # ... but never pays at 100x the plain step
     cheap = ds.with_step_costs(StepCosts("torch", "bf16", "m", 16, {1: 10.0, 4: 10.0}, {4: 0.0}))
@@ -213,6 +220,6 @@ def test_sampled_replay_accepts_as_speculative_sampling_does(models, tmp_path, s
     greedy = _greedy(target, drafter, PROMPTS[0])
     greedy_rows = [{"id": "g", "prompt": PROMPTS[0], "answer_ids": greedy, "finish": "length"}]
     run_label_job(LabelJob(prompts=None, replay_answers=_write_jsonl(tmp_path / "greedy.jsonl", greedy_rows),
-                           out=tmp_path / "greedy", **job))
+                           out=tmp_path / "greedy", lookup="off", **job))  # drafter blocks, as sampled
     greedy_steps = float(load_label_dataset(tmp_path / "greedy").rows["steps"][0, 1])
     assert abs(greedy_steps - replayed_steps.mean()) > 4 * error

@@ -105,7 +105,8 @@ class StepCosts:
     `drafter_ms[k]`: one drafter call proposing a block of k (k >= 2). `loop_ms[k]` (optional): a
     whole decode step of the runtime's loop at block size k (draft, verify, acceptance and cache
     bookkeeping), from wall time over a short generation. A step at block size k costs `loop_ms[k]`
-    when measured, else `target_ms[k] + drafter_ms[k]` (a plain one `target_ms[1]`): `step_ms`.
+    when measured, else `target_ms[k] + drafter_ms[k]` (a plain one `target_ms[1]`): `step_ms`; a step
+    that copied its draft by lookup makes no drafter call: `copy_step_ms`.
     """
 
     backend: str  # "torch" | "onnxruntime" | "tensorrt"
@@ -129,6 +130,11 @@ class StepCosts:
         if block_size in self.loop_ms:
             return self.loop_ms[block_size]
         return self.target_ms[block_size] + (self.drafter_ms[block_size] if block_size > 1 else 0.0)
+
+    def copy_step_ms(self, block_size: int) -> float:
+        """Milliseconds of a step at `block_size` whose draft was copied by lookup (`runtime.lookup`):
+        `step_ms` without its drafter call (the table's steps are timed with the drafter drafting)."""
+        return self.step_ms(block_size) - (self.drafter_ms[block_size] if block_size > 1 else 0.0)
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "dtype": self.dtype, "machine": self.machine, "context": self.context,

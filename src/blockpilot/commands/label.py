@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from blockpilot.commands.common import BLOCK_SIZES_EXAMPLE, add_device_arg, argument_type, parse_block_sizes
+from blockpilot.commands.common import (BLOCK_SIZES_EXAMPLE, add_device_arg, add_lookup_arg, argument_type,
+                                        parse_block_sizes)
 from blockpilot.errors import UserError
 
 
@@ -51,6 +52,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--greedy-drafts", action="store_true",
                    help="at T > 0, label greedy drafts accepted by 'sample, then match' instead of drafts drawn "
                         "from the drafter and accepted by rejection sampling (what the runtime does by default)")
+    add_lookup_arg(p)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock, or by this process's CPU time (on a shared machine; "
                    "use with OMP_NUM_THREADS=1)")
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         limit=args.limit, seed=args.seed, device=resolve_device(args.device),
         chat_template=not args.no_chat_template, clock=args.clock, replay_answers=args.replay_answers,
         calibration_prompts=args.calibration_prompts, calibration_reps=args.calibration_reps, note=args.note,
-        step_costs=args.step_costs, sampled_drafts=not args.greedy_drafts,
+        step_costs=args.step_costs, sampled_drafts=not args.greedy_drafts, lookup=args.lookup,
     )
     print(json.dumps(run_label_job(job)))
     return 0

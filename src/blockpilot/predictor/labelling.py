@@ -52,6 +52,7 @@ class LabelJob:
     note: str = ""  # free text kept in meta.json (e.g. where the prompts come from)
     step_costs: Path | None = None  # engine dir (its manifest's table) or StepCosts JSON; None: measure here
     sampled_drafts: bool = True  # T > 0: drafts drawn from the drafter, rejection sampling (False: greedy drafts)
+    lookup: str = "greedy"  # which requests copy drafts by lookup, as `Runner.lookup` (the labels decode alike)
 
 
 def default_candidates(b_train: int, radius: int = 2) -> tuple[int, ...]:
@@ -242,9 +243,17 @@ def _settings(job: LabelJob, backend) -> LabelSettings:
                         "choose candidates near the drafter's block size")
     if job.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1 (got {job.max_new_tokens})")
+    from blockpilot.runtime.runner import LOOKUPS, lookup_applies
+
+    if job.lookup not in LOOKUPS:
+        raise UserError(f"unknown lookup {job.lookup!r}: choose one of {', '.join(LOOKUPS)}")
+    try:
+        params = SamplingParams(job.temperature, job.top_k, job.top_p)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     return LabelSettings(candidates=tuple(candidates), b_train=b_train, temperature=job.temperature,
                          top_k=job.top_k, top_p=job.top_p, max_new_tokens=job.max_new_tokens, seed=job.seed,
-                         sampled_drafts=job.sampled_drafts)
+                         sampled_drafts=job.sampled_drafts, lookup=lookup_applies(job.lookup, params))
 
 
 def _encode_todo(prompts, done: set[str], tokenizer, chat_template: bool, settings: LabelSettings, backend):

@@ -12,7 +12,10 @@ A label dataset is a directory:
 Row tensors (N prompts, K candidates): `pooled` (N, H) and `logits` (N, V) float32 prefill
 features (`blockpilot.runtime.policy`), `tau` (N, K) float64 mean acceptance length, `steps`,
 `accepted` (sum of acceptance lengths) and `new_tokens` (N, K) int64, `draft_s` and `verify_s`
-(N, K) float64 seconds, `step_s` (N, K) their sum per decode step, `prompt_tokens` (N,) int64.
+(N, K) float64 seconds, `step_s` (N, K) their sum per decode step, `lookup_steps` (N, K) int64 the
+steps whose draft was copied by lookup and made no drafter call (`runtime.lookup`; meta `lookup` says
+whether the labels decoded with lookup drafts, as the runtime does for greedy requests; rows of
+datasets made before it read 0), `prompt_tokens` (N,) int64.
 Step times are measured per row while decoding (meta `step_time_source` "measured"), or, for
 T = 0 replay datasets (`blockpilot.predictor.replay`), steps x per-call medians of a calibration
 stored in meta `calibration` ("calibrated").
@@ -24,7 +27,8 @@ Label objectives (chosen at training time, both computed from the dataset):
     throughput  argmax of tau / step cost. The step cost of a candidate comes from the step-cost
                 table in meta `step_costs` (`blockpilot.builder.manifest.StepCosts`: measured on the
                 backend and dtype that will run the predictor; cost(1) = the plain decoding step,
-                cost(k) = verify(k) + draft(k)); datasets without one use the candidate's mean
+                cost(k) = verify(k) + draft(k), verify(k) alone for a row's `lookup_steps`);
+                datasets without one use the candidate's mean
                 measured step time (draft + verify) over the whole dataset. Per-prompt step times
                 on a shared CPU are too noisy to compare.
 Ties (within 1e-9 relative) go to the candidate nearest B_train, then to the smaller one.
@@ -51,15 +55,16 @@ LABEL_FORMAT = "blockpilot-labels"
 LABEL_VERSION = 1
 OBJECTIVES = ("tau", "throughput")
 ROW_KEYS = ("pooled", "logits", "tau", "steps", "accepted", "new_tokens", "draft_s", "verify_s", "step_s",
-            "prompt_tokens")
-PER_CANDIDATE = ("tau", "steps", "accepted", "new_tokens", "draft_s", "verify_s", "step_s")  # (N, K) keys
+            "lookup_steps", "prompt_tokens")
+PER_CANDIDATE = ("tau", "steps", "accepted", "new_tokens", "draft_s", "verify_s", "step_s", "lookup_steps")  # (N, K)
 CONSOLIDATED = "labels.safetensors"
 META = "meta.json"
 PARTS = "parts"
 # meta.json fields that must agree for a resumed run to append to the same dataset
 RESUME_KEYS = ("format", "version", "target_sha256", "drafter_sha256", "candidates", "b_train", "temperature",
                "top_k", "top_p", "max_new_tokens", "backend", "dtype", "seed", "chat_template", "clock",
-               "step_time_source", "sampled_drafts")
+               "step_time_source", "sampled_drafts", "lookup")
+RESUME_DEFAULTS = {"lookup": False}  # what a meta.json written before the key existed means
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,9 @@ class LabelSettings:
     seed: int = 0
     sampled_drafts: bool = True
     """At T > 0: drafts drawn from the drafter and accepted by rejection sampling (`Runner.sampled_drafts`)."""
+    lookup: bool = False
+    """Steps whose context repeats copy their drafts by lookup (`runtime.lookup`), as the runtime does for
+    greedy requests by default (`Runner.lookup`)."""
 
 
 # ---------------------------------------------------------------- label math (pure tensor functions)
@@ -134,19 +142,25 @@ class LabelDataset:
         return StepCosts.from_dict(raw) if raw else None
 
     def step_cost(self) -> torch.Tensor:
-        """`(K,)` seconds of one decode step of each candidate: from the step-cost table, else the
-        mean measured step time over the dataset."""
+        """`(N, K)` seconds of one decode step of each row's candidates: from the step-cost table (a step
+        that copied its draft by lookup costs no drafter call), else the mean measured step time of the
+        candidate over the dataset."""
         table = self.step_costs
-        if table is not None:
-            return torch.tensor([table.step_ms(c) / 1e3 for c in self.candidates], dtype=torch.float64)
-        return candidate_step_cost(self.rows["draft_s"], self.rows["verify_s"], self.rows["steps"])
+        if table is None:
+            mean = candidate_step_cost(self.rows["draft_s"], self.rows["verify_s"], self.rows["steps"])
+            return mean[None, :].expand(len(self), -1)
+        full, copied = (torch.tensor([[cost(c) / 1e3 for c in self.candidates]], dtype=torch.float64)
+                        for cost in (table.step_ms, table.copy_step_ms))
+        steps = self.rows["steps"].double()
+        share = self.rows.get("lookup_steps", torch.zeros_like(steps)).double() / steps.clamp_min(1)  # (N, K)
+        return full + share * (copied - full)
 
     def scores(self, objective: str) -> torch.Tensor:
         """`(N, K)` the quantity `objective` maximises: tau, or tau per second of step."""
         if objective == "tau":
             return self.rows["tau"]
         if objective == "throughput":
-            return self.rows["tau"] / self.step_cost()[None, :]
+            return self.rows["tau"] / self.step_cost()
         raise UserError(f"unknown objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
 
     def labels(self, objective: str) -> torch.Tensor:
@@ -222,6 +236,7 @@ def _read_rows(path: Path) -> tuple[list[str], list[dict[str, torch.Tensor]]]:
         keep = [i for i, row_id in enumerate(file_ids) if row_id not in seen]
         ids += [file_ids[i] for i in keep]
         seen.update(file_ids)
+        tensors.setdefault("lookup_steps", torch.zeros_like(tensors["steps"]))  # labelled before lookup existed
         chunks.append({key: tensors[key][keep] for key in ROW_KEYS})
     return ids, chunks
 
@@ -289,7 +304,7 @@ def label_prompt(runner, input_ids: list[int], settings: LabelSettings, seed: in
     row = prefill_row(runner.backend, input_ids)
     runner.sampled_drafts = settings.sampled_drafts
     k = len(settings.candidates)
-    counts = {key: torch.zeros(1, k, dtype=torch.int64) for key in ("steps", "accepted", "new_tokens")}
+    counts = {key: torch.zeros(1, k, dtype=torch.int64) for key in ("steps", "accepted", "new_tokens", "lookup_steps")}
     times = {key: torch.zeros(1, k, dtype=torch.float64) for key in ("draft_s", "verify_s")}
     for j in _rotated(range(k), seed):  # rotate the order so no candidate always runs first (cache, clocks)
         out = runner.generate([torch.tensor(input_ids)], max_new_tokens=settings.max_new_tokens,
@@ -298,6 +313,7 @@ def label_prompt(runner, input_ids: list[int], settings: LabelSettings, seed: in
         accepts = out["accept_lengths"][0]
         counts["steps"][0, j], counts["accepted"][0, j] = len(accepts), sum(accepts)
         counts["new_tokens"][0, j] = int(out["sequence_lengths"][0, 0]) - len(input_ids)
+        counts["lookup_steps"][0, j] = len(accepts) - out["drafter_calls"][0] if settings.candidates[j] > 1 else 0
         times["draft_s"][0, j] = out["timings"][0]["draft_s"]
         times["verify_s"][0, j] = out["timings"][0]["verify_s"]
     steps = counts["steps"].double().clamp_min(1)
@@ -335,7 +351,7 @@ def prepare_dataset_dir(path: Path, meta: dict) -> set[str]:
         write_json_atomic(meta, path / META)
         return set()
     for key in RESUME_KEYS:
-        if existing.get(key) != meta.get(key):
+        if existing.get(key, RESUME_DEFAULTS.get(key)) != meta.get(key):
             what = "another model" if key.endswith("sha256") else "other settings"
             raise UserError(f"{path} was labelled with {what} ({key} {existing.get(key)!r}, now {meta.get(key)!r}); "
                             "use another --out or the same models and settings")
@@ -349,15 +365,14 @@ def label_prompts(runner, prompts: list[tuple[int, str, list[int]]], settings: L
     Each row is written as its own part file as soon as it is done, so an interrupted run loses
     at most one prompt; the parts are consolidated at the end.
 
-    The runner decodes without lookup drafts (`runtime.lookup`): labels measure the drafter's blocks,
-    as replay labelling does.
+    The runner drafts by lookup (`runtime.lookup`) where `settings.lookup` says so, and only there.
 
     Returns:
         The number of rows in the dataset afterwards.
     """
     from tqdm import tqdm
 
-    with runner.lookup_set_to("off"):
+    with runner.lookup_set_to("all" if settings.lookup else "off"):
         for index, prompt_id, ids in tqdm(prompts, desc="labelling", unit="prompt", disable=not progress):
             row = label_prompt(runner, ids, settings, seed=settings.seed * 1_000_003 + index)
             save_rows_atomic([prompt_id], row, out / PARTS / f"{index:07d}.safetensors")

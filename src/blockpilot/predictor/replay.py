@@ -22,13 +22,15 @@ answer --temperature T` draws `y`; past its end the replay draws the tokens it s
             continued by drawing one token at a time
     taps  = the target's taps over prompt + y: from that teacher-forced pass, and from the
             one-token passes for generated tokens
-    tau   = per candidate, drafter-only replay stopped where the runtime stops (the end id or the
-            token budget), with the same per-step acceptance lengths as `Runner.generate`; all
+    tau   = per candidate, replay stopped where the runtime stops (the end id or the token budget),
+            with the same per-step acceptance lengths as `Runner.generate`: drafter blocks, and
+            with `settings.lookup` lookup copies where the context repeats (`runtime.lookup`); all
             candidates step in lockstep and share one lm_head call per round
 
 Step times are not measured per prompt: the throughput objective uses each candidate's mean step
 time over the dataset, so `calibrate_step_times` times real `backend.draft` + `backend.verify`
-calls at each candidate size once, and rows store `steps x` those medians.
+calls at each candidate size once, and rows store `steps x` those medians (`drafter calls x` for
+the draft part: a step that copied its draft makes none).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 from blockpilot.errors import UserError
 from blockpilot.models.decoder import KVCache
 from blockpilot.runtime.sampling import SamplingParams, logits_to_probs, sample_tokens
-from blockpilot.training.evaluate import SampledReplay, replay_block_sizes
+from blockpilot.training.evaluate import ReplayRun, SampledReplay, replay_runs
 from blockpilot.predictor.labels import PARTS, LabelSettings, consolidate, prefill_row, save_rows_atomic
 
 CALIBRATION_NEW_TAPS = 3  # newly committed positions fed to each timed draft call (a typical step's tau)
@@ -211,27 +213,29 @@ def replay_row(backend, input_ids: list[int], hint: list[int], settings: LabelSe
         uniform = torch.rand(len(y), generator=generator, dtype=torch.float64)  # one per token, shared by candidates
         sampled = SampledReplay(settings.temperature, torch.tensor([0.0] * p + token_probs, dtype=torch.float64),
                                 torch.cat((torch.zeros(p, dtype=torch.float64), uniform)))
-    lengths = _replay_lengths(target, drafter, input_ids + y, p, settings.candidates, taps, stop_at=p + s,
-                              sampled=sampled)
-    steps = torch.tensor([[len(steps) for steps in lengths]], dtype=torch.int64)
-    accepted = torch.tensor([[sum(steps) for steps in lengths]], dtype=torch.int64)
+    runs = _replay_runs(target, drafter, input_ids + y, p, settings.candidates, taps, stop_at=p + s,
+                        sampled=sampled, lookup=settings.lookup)
+    steps = torch.tensor([[len(run.steps) for run in runs]], dtype=torch.int64)
+    accepted = torch.tensor([[sum(run.steps) for run in runs]], dtype=torch.int64)
+    drafter_calls = torch.tensor([[run.drafted for run in runs]], dtype=torch.int64)
     draft_one = torch.tensor([[step_times["draft_s"][str(c)] for c in settings.candidates]], dtype=torch.float64)
     verify_one = torch.tensor([[step_times["verify_s"][str(c)] for c in settings.candidates]], dtype=torch.float64)
-    times = {"draft_s": steps * draft_one, "verify_s": steps * verify_one}
+    times = {"draft_s": drafter_calls * draft_one, "verify_s": steps * verify_one}
     per_step = steps.double().clamp_min(1)
     return {**row, "steps": steps, "accepted": accepted, "new_tokens": torch.full((1, k), s + 1),
-            **times, "tau": accepted.double() / per_step, "step_s": (times["draft_s"] + times["verify_s"]) / per_step}
+            **times, "tau": accepted.double() / per_step, "step_s": (times["draft_s"] + times["verify_s"]) / per_step,
+            "lookup_steps": steps - drafter_calls}
 
 
-def _replay_lengths(target, drafter, ids: list[int], p: int, candidates, taps, stop_at: int,
-                    sampled: "SampledReplay | None" = None) -> list[list[int]]:
-    """`replay_block_sizes` for every candidate; block size 1 (plain decoding) commits one token a step
-    and needs no drafter pass."""
+def _replay_runs(target, drafter, ids: list[int], p: int, candidates, taps, stop_at: int,
+                 sampled: "SampledReplay | None" = None, lookup: bool = False) -> list[ReplayRun]:
+    """`replay_runs` for every candidate; block size 1 (plain decoding) commits one token a step and
+    makes no drafter call (its `drafted` counts every step: none copies)."""
     drafted = [c for c in candidates if c > 1]
-    runs = iter(replay_block_sizes(target, drafter, ids, p, drafted, taps, stop_at=stop_at, sampled=sampled)
+    runs = iter(replay_runs(target, drafter, ids, p, drafted, taps, stop_at=stop_at, sampled=sampled, lookup=lookup)
                 if drafted else [])
     plain = [1] * (min(stop_at, len(ids) - 1) - p)
-    return [plain if c == 1 else next(runs) for c in candidates]
+    return [ReplayRun(1, p + len(plain), plain, len(plain)) if c == 1 else next(runs) for c in candidates]
 
 
 def replay_label_prompts(backend, prompts: list[tuple[int, str, list[int]]], hints: list[list[int]],

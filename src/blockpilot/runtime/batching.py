@@ -334,6 +334,8 @@ class BatchDecoder:
             pos = torch.tensor([a.pos for a in members], dtype=torch.int64)
             draft = self.backend.draft(state, last, taps, ctx, pos, members[0].k,
                                        new_counts=torch.tensor(counts, dtype=torch.int64), **extra)
+        for a in members:
+            a.result.drafter_calls += 1
         if sampled:
             draft = self._sample_drafts(members, draft)
         if copies:

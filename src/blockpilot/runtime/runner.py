@@ -31,6 +31,11 @@ from blockpilot.runtime.sampling import VERIFICATIONS, SamplingParams
 LOOKUPS = ("greedy", "all", "off")  # which requests may copy drafts by lookup (`runtime.lookup`)
 
 
+def lookup_applies(which: str, params: SamplingParams) -> bool:
+    """Whether lookup setting `which` (one of `LOOKUPS`) lets a request with `params` copy drafts."""
+    return which == "all" or (which == "greedy" and params.greedy)
+
+
 @dataclasses.dataclass
 class RequestResult:
     """One request's outcome. Times are seconds measured by the runner's clock."""
@@ -46,6 +51,7 @@ class RequestResult:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    drafter_calls: int = 0  # steps that called the drafter (the others copied their drafts by lookup)
     finished: bool = False  # ended by end_id
 
     @property
@@ -89,6 +95,7 @@ class GenerationResult:
             "block_sizes": [r.block_size for r in self.requests],
             "block_size_probs": [r.block_size_prob for r in self.requests],
             "block_size_switches": [list(r.block_size_switches) for r in self.requests],
+            "drafter_calls": [r.drafter_calls for r in self.requests],
             "timings": [
                 {"prefill_s": r.prefill_s, "predictor_s": r.predictor_s, "draft_s": r.draft_s,
                  "verify_s": r.verify_s}
@@ -164,8 +171,7 @@ class Runner:
 
     def uses_lookup(self, params: SamplingParams) -> bool:
         """Whether a request with `params` may copy drafts by lookup."""
-        return self.backend.drafter_config is not None and (
-            self._lookup == "all" or (self._lookup == "greedy" and params.greedy))
+        return self.backend.drafter_config is not None and lookup_applies(self._lookup, params)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, drafter_dir: str | Path | None = None,

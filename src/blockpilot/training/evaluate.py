@@ -18,6 +18,7 @@ import torch
 
 from blockpilot.models.decoder import Decoder, KVCache
 from blockpilot.models.dflash import DFlashDrafter, draft_logits, greedy_draft_tokens
+from blockpilot.runtime.lookup import PromptLookup
 from blockpilot.training.objective import Batch, block_forward, block_labels, simulated_tau
 
 
@@ -45,19 +46,31 @@ class SampledReplay:
 
 
 @dataclasses.dataclass
-class _Replay:
-    """Where one block size's replay stands: `ids[pos]` is committed and is the next block's first token."""
+class ReplayRun:
+    """One block size's replay: `ids[pos]` is committed and is the next block's first token; `steps` the
+    tokens each step committed, `drafted` how many steps called the drafter (the others copied their
+    draft by lookup), `lookup` the run's n-gram index (None: drafter only)."""
 
     size: int
     pos: int
     steps: list[int] = dataclasses.field(default_factory=list)
+    drafted: int = 0
+    lookup: PromptLookup | None = None
 
 
-@torch.inference_mode()
 def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt_len: int,
                        block_sizes, taps: torch.Tensor, stop_at: int | None = None,
                        sampled: SampledReplay | None = None) -> list[list[int]]:
-    """Tokens committed per step, for each block size, when greedily decoding `ids[prompt_len:]`.
+    """Tokens committed per step, for each block size, when greedily decoding `ids[prompt_len:]` with the
+    drafter's blocks only (`replay_runs` without lookup)."""
+    return [run.steps for run in replay_runs(target, drafter, ids, prompt_len, block_sizes, taps, stop_at, sampled)]
+
+
+@torch.inference_mode()
+def replay_runs(target: Decoder, drafter: DFlashDrafter, ids: list[int], prompt_len: int,
+                block_sizes, taps: torch.Tensor, stop_at: int | None = None,
+                sampled: SampledReplay | None = None, lookup: bool = False) -> list[ReplayRun]:
+    """The decode loop's steps, for each block size, when decoding `ids[prompt_len:]`.
 
     The block sizes run in lockstep: each round is one drafter pass over the blocks of every size
     still running (a block sees the context before its first position and itself, as in decoding)
@@ -67,19 +80,35 @@ def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], 
     `len(ids) >= stop_at + block_size - 1`. `taps`: `(1, >= stop_at, tH)` target taps of `ids`.
     `sampled`: replay drafts drawn from the drafter at T > 0 (`SampledReplay`); default: greedy drafts,
     accepted while they equal `ids` (exact at T = 0, and at T > 0 for "sample, then match").
+    `lookup`: as the runtime with lookup drafts (`runtime.lookup`): a step whose context's last tokens
+    occurred before copies its draft (accepted while it equals `ids`: "sample, then match") and makes no
+    drafter call, except a request's first step, which calls the drafter in any case.
     """
     y = torch.tensor(ids)
     end = len(ids) - 1 if stop_at is None else min(stop_at, len(ids) - 1)
     embed = target.embed_tokens.weight
     mask_embed = embed[drafter.config.mask_token_id]
     head = drafter.draft_head_weight(target.lm_head.weight)  # (N, H)
-    runs = [_Replay(size, prompt_len) for size in block_sizes]
+    runs = [ReplayRun(size, prompt_len, lookup=PromptLookup(ids[:prompt_len + 1]) if lookup else None)
+            for size in block_sizes]
     if end <= prompt_len:
-        return [r.steps for r in runs]
+        return runs
     context = drafter.hidden_norm(drafter.fc(taps[:, :end].to(embed.dtype)))  # (1, S, H): positions < end
     ctx_rope = drafter.rope(torch.arange(end), embed.dtype)
     context_kv = [layer.context_kv(context, ctx_rope) for layer in drafter.layers]
-    while active := [r for r in runs if r.pos < end]:
+    while running := [r for r in runs if r.pos < end]:
+        active = []  # the runs whose step drafts with the drafter
+        for r in running:
+            copy = r.lookup.propose(r.size - 1) if r.lookup is not None else None
+            if copy is None:
+                active.append(r)
+                continue
+            truth = y[r.pos + 1: r.pos + r.size]
+            ok = torch.tensor(copy[:len(truth)]) == truth
+            r.drafted += not r.steps  # a first step calls the drafter anyway
+            _advance(r, min(int(ok.long().cumprod(0).sum()), len(ids) - 1 - r.pos), ids)
+        if not active:
+            continue
         sizes = torch.tensor([r.size for r in active])
         starts = torch.tensor([r.pos for r in active])
         x = torch.cat([drafter.block_embeddings(embed[y[r.pos]].reshape(1, 1, -1), mask_embed, r.size)
@@ -106,10 +135,17 @@ def replay_block_sizes(target: Decoder, drafter: DFlashDrafter, ids: list[int], 
                 q_y = _column_probs(draft[:len(truth)], truth, drafter.draft_vocab_ids)
                 p_y = sampled.token_probs[r.pos + 1: r.pos + 1 + len(truth)]
                 ok = sampled.uniform[r.pos + 1: r.pos + 1 + len(truth)] * p_y < torch.minimum(p_y, q_y)
-            accepted = min(int(ok.long().cumprod(0).sum()), len(ids) - 1 - r.pos)
-            r.steps.append(accepted + 1)
-            r.pos += accepted + 1
-    return [r.steps for r in runs]
+            r.drafted += 1
+            _advance(r, min(int(ok.long().cumprod(0).sum()), len(ids) - 1 - r.pos), ids)
+    return runs
+
+
+def _advance(run: ReplayRun, accepted: int, ids: list[int]) -> None:
+    """Commit a step of `run` that accepted `accepted` drafts (and the bonus token)."""
+    run.steps.append(accepted + 1)
+    if run.lookup is not None:
+        run.lookup.extend(ids[run.pos + 1: run.pos + accepted + 2])
+    run.pos += accepted + 1
 
 
 def _column_probs(q: torch.Tensor, tokens: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
