@@ -150,9 +150,14 @@ LOOKUP_HELP = ("which requests copy their draft from the context where its last 
 LOOKUPS = ("greedy", "all", "off")  # runtime.runner.LOOKUPS, kept here so --help needs no torch
 
 
+def comma_list(text: str) -> list[str]:
+    """`"a, b,,c"` -> ["a", "b", "c"]."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def parse_lookups(text: str) -> list[str]:
     """`greedy,off` -> ["greedy", "off"] (each value once, in order)."""
-    values = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    values = list(dict.fromkeys(comma_list(text)))
     unknown = [v for v in values if v not in LOOKUPS]
     if unknown or not values:
         raise UserError(f"lookup values {text!r}: give one or more of {', '.join(LOOKUPS)}, comma-separated")

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from blockpilot.commands.common import add_lookup_arg, add_model_args, argument_type, parse_block_sizes
+from blockpilot.commands.common import add_lookup_arg, add_model_args, argument_type, comma_list, parse_block_sizes
 from blockpilot.errors import UserError
 
 BASELINES = "ar,hf-ar,hf-dflash,hf-prompt-lookup"
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     options = ProfileOptions(
         out_dir=args.out, datasets=args.dataset, sources=_sources(args),
         block_sizes=_block_modes(args.block_sizes), temperatures=_floats(args.temperature, "--temperature"),
-        baselines=_names(args.baselines), candidates=_candidates(args.block_sizes), oracle_by=args.oracle_by,
+        baselines=comma_list(args.baselines), candidates=_candidates(args.block_sizes), oracle_by=args.oracle_by,
         lookups=args.lookup,
         limit=args.limit, max_new_tokens=args.max_new_tokens, warmup=args.warmup, seed=args.seed,
         command=["blockpilot", *sys.argv[1:]], progress=not args.no_progress,
@@ -126,13 +126,9 @@ def _sources(args):
                         m.predictor_any_backend, args.verification)
 
 
-def _names(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def _floats(text: str, flag: str) -> list[float]:
     try:
-        return [float(part) for part in _names(text)]
+        return [float(part) for part in comma_list(text)]
     except ValueError:
         raise UserError(f"{flag} {text!r}: give numbers separated by commas, e.g. 0,1") from None
 

@@ -17,6 +17,7 @@ Tests add systems of their own to a registry.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -182,9 +183,8 @@ class RunnerSystem:
 
     def generate(self, request: Request, temperature: float, seed: int, max_new_tokens: int) -> Measurement:
         runner, n = self._runner(), len(request.input_ids)
-        if self.lookup is not None:
-            runner.lookup = self.lookup
-        with RequestTimer(self.models.clock, self.models.sources.device) as timer:
+        lookup = runner.lookup_set_to(self.lookup) if self.lookup is not None else contextlib.nullcontext()
+        with lookup, RequestTimer(self.models.clock, self.models.sources.device) as timer:
             out = runner.generate([torch.tensor(request.input_ids)], max_new_tokens=max_new_tokens,
                                   temperature=temperature, random_seed=seed, block_size=self.block_size,
                                   return_dict=True)
