@@ -9,6 +9,11 @@ token), the runtime's rule (lookup where the context's last `--min-ngram`+ token
 drafter elsewhere) for each `--min-ngram`, and a per-step oracle of the two. tau is averaged per prompt,
 then over prompts (DFlash's convention, as `scripts/eval_drafter.py`).
 
+`--lookup-lengths 8,12,16` adds the runtime's rule with copies of those lengths (a copying step verifies
+L tokens, a drafting step the block size), and `--step-costs` (a `scripts/bench_steps.py --json` file)
+prices every rule's steps with its verify and drafter times (a copying step makes no drafter call):
+modelled tokens per second against plain decoding's one-row step, pooled over a set's answers.
+
     python scripts/lookup_replay.py --answers ~/.cache/blockpilot/eval/answers/humaneval-greedy-128.jsonl \
         --answers ~/.cache/blockpilot/eval/answers/mtbench-greedy-128.jsonl --block-sizes 4,6,8 --out lookup.json
 """
@@ -42,10 +47,12 @@ def leading_matches(draft, truth) -> int:
 
 @torch.inference_mode()
 def accepted_per_position(target, drafter, ids: list[int], prompt_len: int, block_size: int, min_ngrams,
-                          taps: torch.Tensor | None = None):
+                          taps: torch.Tensor | None = None, copy_length: int | None = None):
     """Per answer position `pos` (ids[pos] is the block's first token): the drafter's accepted drafts, and
-    per n-gram floor the lookup draft's accepted drafts (None: no match). `taps`: the target's taps of
-    `ids` (`training.evaluate.sequence_taps`; computed when not given)."""
+    per n-gram floor the lookup draft's accepted drafts (None: no match) of a copy of `copy_length - 1`
+    tokens (default: the block's). `taps`: the target's taps of `ids` (`training.evaluate.sequence_taps`;
+    computed when not given)."""
+    copy_length = copy_length or block_size
     n = len(ids)
     if taps is None:
         taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
@@ -54,22 +61,37 @@ def accepted_per_position(target, drafter, ids: list[int], prompt_len: int, bloc
     lookups = {m: PromptLookup(ids[:prompt_len], min_ngram=m, max_ngram=max(m, MAX_NGRAM)) for m in min_ngrams}
     lookup_acc = {m: [] for m in min_ngrams}
     for pos in range(prompt_len, n - 1):
-        truth = ids[pos + 1: pos + block_size]
+        truth = ids[pos + 1: pos + copy_length]
         for m, lookup in lookups.items():
             lookup.extend([ids[pos]])
-            copy = lookup.propose(block_size - 1)
+            copy = lookup.propose(copy_length - 1)
             lookup_acc[m].append(None if copy is None else leading_matches(copy, truth))
     return drafter_acc, lookup_acc
 
 
-def replay(choose, length: int) -> list[int]:
-    """Tokens committed per step of a greedy loop over `length` positions; `choose(i)` -> accepted drafts."""
-    steps, i = [], 0
+def replay(choose, length: int, cost=None) -> list[int]:
+    """Tokens committed per step of a greedy loop over `length` positions; `choose(i)` -> accepted drafts.
+    With `cost(i)` (ms of the step at position i) it returns (steps, ms)."""
+    steps, i, ms = [], 0, 0.0
     while i < length:
         a = choose(i)
         steps.append(a + 1)
+        ms += cost(i) if cost else 0.0
         i += a + 1
-    return steps
+    return (steps, ms) if cost else steps
+
+
+def step_ms(costs: dict, block_size: int, step: tuple[int, int, bool]) -> float:
+    """ms of a step that verifies `step[1]` tokens, with a drafter call at `block_size` unless it copied."""
+    _, width, copied = step
+    return costs["verify"][width] + (0.0 if copied or width == 1 else costs["draft"][block_size])
+
+
+def read_step_costs(path: Path) -> dict:
+    """{"verify": {K: ms}, "draft": {K: ms}, "plain": ms} of the first path of a bench_steps JSON file."""
+    entry = json.loads(path.read_text())["paths"][0]
+    return {"verify": {int(k): v for k, v in entry["verify_ms"].items()},
+            "draft": {int(k): v for k, v in entry["draft_ms"].items()}, "plain": entry["one_row_ms"]}
 
 
 def main() -> None:
@@ -79,6 +101,8 @@ def main() -> None:
     ap.add_argument("--drafter", type=Path, help="default: the shipped drafter")
     ap.add_argument("--block-sizes", default="4,6,8")
     ap.add_argument("--min-ngram", default="2,3,4", help="lookup n-gram floors to compare")
+    ap.add_argument("--lookup-lengths", default="", help="copy lengths to try with the shipped floor (3)")
+    ap.add_argument("--step-costs", type=Path, help="scripts/bench_steps.py --json output: price the rules")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -87,27 +111,49 @@ def main() -> None:
     tokenizer = load_tokenizer(target_dir)
     sizes = [int(b) for b in args.block_sizes.split(",")]
     floors = [int(m) for m in args.min_ngram.split(",")]
-    report = {"drafter": str(args.drafter or default_drafter_dir()), "sets": {}}
+    lengths = [int(n) for n in args.lookup_lengths.split(",") if n.strip()]
+    costs = read_step_costs(args.step_costs) if args.step_costs else None
+    report = {"drafter": str(args.drafter or default_drafter_dir()), "sets": {},
+              **({"step_costs": costs} if costs else {})}
     for path in args.answers:
         taus: dict[str, list[float]] = {}
+        totals: dict[str, list[float]] = {}  # rule -> [tokens, ms]
         for row in tqdm(list(read_answer_rows(path)), desc=path.name, unit="answer"):
             prompt = chat_prompt_ids(tokenizer, row["prompt"])
             ids = prompt + row["answer_ids"] + ([tokenizer.eos_token_id] if row["finish"] == "stop" else [])
             taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
             for b in sizes:
-                drafter_acc, lookup_acc = accepted_per_position(target, drafter, ids, len(prompt), b, floors, taps)
-                rules = {f"b{b} drafter": lambda i: drafter_acc[i],
-                         f"b{b} lookup only": lambda i: lookup_acc[floors[0]][i] or 0}
+                longest = max([b, *lengths])
+                drafter_acc, lookup_acc = accepted_per_position(target, drafter, ids, len(prompt), b,
+                                                                sorted({*floors, 3}), taps, copy_length=longest)
+                # rule -> per position: (accepted drafts, tokens verified, whether the draft was copied)
+                rules = {f"b{b} drafter": lambda i: (drafter_acc[i], b, False),
+                         f"b{b} lookup only": lambda i: (0, 1, True) if lookup_acc[floors[0]][i] is None else (
+                             min(lookup_acc[floors[0]][i], b - 1), b, True)}
                 for m in floors:
                     acc = lookup_acc[m]
-                    rules[f"b{b} lookup n>={m}, else drafter"] = (
-                        lambda i, acc=acc: drafter_acc[i] if acc[i] is None else acc[i])
-                    rules[f"b{b} oracle n>={m}"] = lambda i, acc=acc: max(drafter_acc[i], acc[i] or 0)
-                for name, choose in rules.items():
-                    steps = replay(choose, len(drafter_acc))
+                    rules[f"b{b} lookup n>={m}, else drafter"] = lambda i, acc=acc: (
+                        (drafter_acc[i], b, False) if acc[i] is None else (min(acc[i], b - 1), b, True))
+                    rules[f"b{b} oracle n>={m}"] = lambda i, acc=acc: (
+                        (drafter_acc[i], b, False) if acc[i] is None or drafter_acc[i] >= min(acc[i], b - 1)
+                        else (min(acc[i], b - 1), b, True))
+                for n in lengths:
+                    rules[f"b{b} lookup n>=3 copying {n}, else drafter"] = lambda i, acc=lookup_acc[3], n=n: (
+                        (drafter_acc[i], b, False) if acc[i] is None else (min(acc[i], n - 1), n, True))
+                for name, rule in rules.items():
+                    if costs:
+                        steps, ms = replay(lambda i: rule(i)[0], len(drafter_acc), lambda i: step_ms(costs, b, rule(i)))
+                        totals.setdefault(name, [0.0, 0.0])
+                        totals[name][0] += sum(steps)
+                        totals[name][1] += ms
+                    else:
+                        steps = replay(lambda i: rule(i)[0], len(drafter_acc))
                     taus.setdefault(name, []).append(sum(steps) / len(steps))
         report["sets"][path.name] = {"answers": len(next(iter(taus.values()))),
                                     "tau": {k: round(sum(v) / len(v), 4) for k, v in taus.items()}}
+        if costs:  # tokens per ms of each rule over plain decoding's (one token a one-row step)
+            report["sets"][path.name]["speed_vs_plain"] = {k: round(t / ms * costs["plain"], 4)
+                                                           for k, (t, ms) in totals.items()}
         print(json.dumps({path.name: report["sets"][path.name]}, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

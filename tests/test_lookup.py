@@ -211,6 +211,42 @@ def test_replay_with_lookup_gives_the_runtimes_steps_and_drafter_calls(tiny):
     assert copied  # some steps copied their drafts
 
 
+def test_lookup_replay_script_prices_copies_of_other_lengths(tmp_path, monkeypatch):
+    """`--lookup-lengths` replays copies longer than the block (a copy of the block's own length is the
+    runtime's rule) and `--step-costs` prices each rule from a bench_steps table."""
+    import json
+    import sys
+
+    from blockpilot.text import load_tokenizer
+
+    from fixtures import load_script, make_word_corpus
+
+    target, corpus = make_word_corpus(tmp_path)
+    drafter = make_drafter(tmp_path, target, block_size=4)
+    tokenizer = load_tokenizer(target)
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()[:3]]
+    answers = tmp_path / "answers.jsonl"  # answers that loop with period 5: copies of 6 keep more than copies of 3
+    loop = [" ".join(r["prompt"].split()[j % 5] for j in range(40)) for r in rows]
+    answers.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": a, "finish": "length",
+                                           "answer_ids": tokenizer(a, add_special_tokens=False)["input_ids"]})
+                               + "\n" for r, a in zip(rows, loop)))
+    costs = tmp_path / "steps.json"
+    costs.write_text(json.dumps({"paths": [{"verify_ms": {str(k): 10.0 + k for k in range(1, 9)},
+                                            "draft_ms": {str(k): 2.0 for k in range(2, 9)}, "one_row_ms": 10.0}]}))
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "argv", ["lookup_replay", "--answers", str(answers), "--target", str(target), "--drafter",
+                                      str(drafter), "--block-sizes", "3", "--min-ngram", "3", "--lookup-lengths",
+                                      "3,6", "--step-costs", str(costs), "--out", str(out)])
+    load_script("lookup_replay").main()
+    report = json.loads(out.read_text())["sets"]["answers.jsonl"]
+    tau, speed = report["tau"], report["speed_vs_plain"]
+    assert tau["b3 lookup n>=3 copying 3, else drafter"] == tau["b3 lookup n>=3, else drafter"]
+    assert speed["b3 lookup n>=3 copying 3, else drafter"] == speed["b3 lookup n>=3, else drafter"]
+    assert tau["b3 lookup n>=3 copying 6, else drafter"] > tau["b3 lookup n>=3, else drafter"]  # the answers loop
+    # a copying step costs 13 ms, a drafting one 15: plain decoding makes 1 token in 10 ms
+    assert speed["b3 drafter"] < 10 * tau["b3 drafter"] / 13 and speed["b3 drafter"] > 10 / 15
+
+
 def test_the_command_line_offers_the_runners_lookup_values():
     from blockpilot.commands import common
     from blockpilot.runtime import runner
