@@ -182,6 +182,10 @@ def test_throughput_labels_use_the_given_step_cost_table_and_the_predictor_recor
     info = OnnxBlockSizePolicy(tmp_path / "p.onnx").info
     assert (info.cost_backend, info.cost_dtype, info.cost_machine) == ("onnxruntime", "fp32", "test machine x2")
     assert info.candidates == (1, 4)
+    import onnx
+
+    props = {p.key: p.value for p in onnx.load(str(tmp_path / "p.onnx")).metadata_props}
+    assert json.loads(props["lookup_temperatures"]) == [0.0]  # T = 0 labels copied drafts as the runtime does
 
 
 @pytest.mark.parametrize("sampled_drafts", [True, False], ids=["drafts-drawn", "greedy-drafts"])

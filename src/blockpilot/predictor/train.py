@@ -65,6 +65,7 @@ class TrainingData:
     candidates: tuple[int, ...]
     b_train: int
     meta: dict  # the first dataset's meta.json
+    lookup_temperatures: tuple[float, ...] = ()  # temperatures of the datasets labelled with lookup drafts
 
 
 def assemble(datasets: list[LabelDataset], settings: TrainSettings) -> TrainingData:
@@ -99,6 +100,7 @@ def assemble(datasets: list[LabelDataset], settings: TrainSettings) -> TrainingD
         tau=torch.cat([d.rows["tau"].double() for d in datasets]),
         throughput=torch.cat([d.scores("throughput").double() for d in datasets]),
         candidates=first.candidates, b_train=first.b_train, meta=first.meta,
+        lookup_temperatures=tuple(sorted({float(d.meta["temperature"]) for d in datasets if d.meta.get("lookup")})),
     )
 
 
@@ -266,5 +268,6 @@ def _metadata(data: TrainingData, settings: TrainSettings, history: dict) -> dic
         "loss": settings.loss,
         **({"step_costs": json.dumps(costs)} if costs else {}),
         "temperatures": json.dumps(sorted({float(t) for t in data.temperature.flatten()})),
+        "lookup_temperatures": json.dumps(list(data.lookup_temperatures)),  # labels that copied drafts by lookup
         "best_epoch": str(history["best_epoch"]),
     }
