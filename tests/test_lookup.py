@@ -112,7 +112,7 @@ def test_lookup_off_calls_the_drafter_every_step(tiny):
     runner = Runner(counting, lookup="off")
     out = runner.generate([torch.tensor(REPEATING[0])], max_new_tokens=30, block_size=4, end_id=-1,
                           return_dict=True)
-    assert counting.calls == len(out["accept_lengths"][0])
+    assert counting.calls == len(out["accept_lengths"][0]) == out["drafter_calls"][0]
 
 
 def test_batched_requests_with_lookup_equal_their_single_outputs(tiny):
@@ -206,7 +206,7 @@ def test_replay_with_lookup_gives_the_runtimes_steps_and_drafter_calls(tiny):
             counting.calls = 0
             out = runner.generate([torch.tensor(ids)], max_new_tokens=n, block_size=b, end_id=-1, return_dict=True)
             assert run.steps == out["accept_lengths"][0], (ids, b)
-            assert run.drafted == counting.calls, (ids, b)
+            assert run.drafted == counting.calls == out["drafter_calls"][0], (ids, b)  # as the result reports
             copied += len(run.steps) - run.drafted
     assert copied  # some steps copied their drafts
 
