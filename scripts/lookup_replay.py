@@ -105,7 +105,11 @@ def main() -> None:
     ap.add_argument("--step-costs", type=Path, help="scripts/bench_steps.py --json output: price the rules")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
+    with torch.inference_mode():
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     target_dir = args.target or smollm2_dir()
     target, drafter = load_target(target_dir), load_drafter(args.drafter or default_drafter_dir())
     tokenizer = load_tokenizer(target_dir)

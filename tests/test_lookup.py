@@ -238,6 +238,7 @@ def test_lookup_replay_script_prices_copies_of_other_lengths(tmp_path, monkeypat
                                       str(drafter), "--block-sizes", "3", "--min-ngram", "3", "--lookup-lengths",
                                       "3,6", "--step-costs", str(costs), "--out", str(out)])
     load_script("lookup_replay").main()
+    assert torch.is_grad_enabled()  # the script leaves no global torch state behind for the tests after it
     report = json.loads(out.read_text())["sets"]["answers.jsonl"]
     tau, speed = report["tau"], report["speed_vs_plain"]
     assert tau["b3 lookup n>=3 copying 3, else drafter"] == tau["b3 lookup n>=3, else drafter"]
