@@ -166,6 +166,8 @@ def test_label_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
     fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "9-x"], "'9-x' is not a size")
     fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "8"], "at least two")
     fails(["--prompts", str(prompts), "--out", str(tmp_path / "b"), "--block-sizes", "8"], "at least two")
+    fails(["--prompts", str(prompts), "--out", str(tmp_path / "e"), "--temperature", "-1"], "fix --temperature")
+    assert not (tmp_path / "e").exists()
     assert cli.main(base + ["--prompts", str(prompts), "--out", str(tmp_path / "c")]) == 0
     other_target = make_hf_target(tmp, "llama", seed=5)
     save_char_tokenizer(other_target)

@@ -63,10 +63,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("answer runs on onnxruntime (the CPU, batched) or torch (any device); drop --backend tensorrt")
     if args.backend == "onnxruntime" and args.device not in ("auto", "cpu"):
         raise UserError(f"--backend onnxruntime runs on the CPU; drop --device {args.device} or use --backend torch")
-    try:
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    except ValueError as exc:
-        raise UserError(f"{exc}; fix --temperature, --top-k or --top-p") from None
+    sampling = SamplingParams.checked(args.temperature, args.top_k, args.top_p,
+                                      "; fix --temperature, --top-k or --top-p")
     device = resolve_device(args.device)
     prompts = load_train_prompts(args.prompts)[: args.limit]
     if not args.out.parent.is_dir():

@@ -76,12 +76,13 @@ def run_label_job(job: LabelJob) -> dict:
     _check_source(job)
     prompts = _load_prompts(job.replay_answers or job.prompts, job.limit)
     tokenizer = load_tokenizer(job.target)
-    hints = _load_hints(job.replay_answers, tokenizer, SamplingParams(job.temperature, job.top_k, job.top_p))
+    sampling = SamplingParams.checked(job.temperature, job.top_k, job.top_p, "; fix --temperature, --top-k or --top-p")
+    hints = _load_hints(job.replay_answers, tokenizer, sampling)
     largest = max(job.candidates) if job.candidates else None
     runner = Runner.from_dir(job.target, drafter_dir=job.drafter, backend=job.backend, device=job.device,
                              max_block_size=largest)
     runner.clock = _clock(job.clock)
-    settings = _settings(job, runner.backend)
+    settings = _settings(job, runner.backend, sampling)
     meta = _meta(job, runner.backend, settings, tokenizer)
     encoded, too_long = _encode_todo(prompts, set(), tokenizer, meta["chat_template"], settings, runner.backend)
     if too_long:
@@ -232,7 +233,7 @@ def _load_prompts(path: Path, limit: int | None):
     return prompts
 
 
-def _settings(job: LabelJob, backend) -> LabelSettings:
+def _settings(job: LabelJob, backend, sampling: SamplingParams) -> LabelSettings:
     b_train = backend.drafter_config.block_size
     candidates = job.candidates or (1, *default_candidates(b_train))
     if len(candidates) < 2:
@@ -243,17 +244,11 @@ def _settings(job: LabelJob, backend) -> LabelSettings:
                         "choose candidates near the drafter's block size")
     if job.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1 (got {job.max_new_tokens})")
-    from blockpilot.runtime.runner import LOOKUPS, lookup_applies
+    from blockpilot.runtime.runner import check_lookup, lookup_applies
 
-    if job.lookup not in LOOKUPS:
-        raise UserError(f"unknown lookup {job.lookup!r}: choose one of {', '.join(LOOKUPS)}")
-    try:
-        params = SamplingParams(job.temperature, job.top_k, job.top_p)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
     return LabelSettings(candidates=tuple(candidates), b_train=b_train, temperature=job.temperature,
                          top_k=job.top_k, top_p=job.top_p, max_new_tokens=job.max_new_tokens, seed=job.seed,
-                         sampled_drafts=job.sampled_drafts, lookup=lookup_applies(job.lookup, params))
+                         sampled_drafts=job.sampled_drafts, lookup=lookup_applies(check_lookup(job.lookup), sampling))
 
 
 def _encode_todo(prompts, done: set[str], tokenizer, chat_template: bool, settings: LabelSettings, backend):

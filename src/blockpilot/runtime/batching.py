@@ -139,10 +139,7 @@ class BatchDecoder:
         from blockpilot.runtime.runner import RequestResult
 
         runner, be, clock = self.runner, self.backend, self.runner.clock
-        try:
-            params = SamplingParams(request.temperature, request.top_k, request.top_p)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+        params = SamplingParams.checked(request.temperature, request.top_k, request.top_p)
         ids = runner.check_prompt(request.input_ids, request.max_new_tokens, request.block_size)
         generator = torch.Generator(device="cpu")
         generator.manual_seed(request.seed if request.seed is not None else torch.seed() & (2**63 - 1))

@@ -31,6 +31,13 @@ from blockpilot.runtime.sampling import VERIFICATIONS, SamplingParams
 LOOKUPS = ("greedy", "all", "off")  # which requests may copy drafts by lookup (`runtime.lookup`)
 
 
+def check_lookup(which: str) -> str:
+    """`which` if it is one of `LOOKUPS`, else a `UserError` naming them."""
+    if which not in LOOKUPS:
+        raise UserError(f"unknown lookup {which!r}: choose one of {', '.join(LOOKUPS)}")
+    return which
+
+
 def lookup_applies(which: str, params: SamplingParams) -> bool:
     """Whether lookup setting `which` (one of `LOOKUPS`) lets a request with `params` copy drafts."""
     return which == "all" or (which == "greedy" and params.greedy)
@@ -156,9 +163,7 @@ class Runner:
 
     @lookup.setter
     def lookup(self, which: str) -> None:
-        if which not in LOOKUPS:
-            raise UserError(f"unknown lookup {which!r}: choose one of {', '.join(LOOKUPS)}")
-        self._lookup = which
+        self._lookup = check_lookup(which)
 
     @contextlib.contextmanager
     def lookup_set_to(self, which: str):
@@ -271,10 +276,7 @@ class Runner:
         """
         from blockpilot.runtime.batching import BatchDecoder, GenerationRequest
 
-        try:
-            SamplingParams(temperature, top_k, top_p)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+        SamplingParams.checked(temperature, top_k, top_p)
         end_id = self.end_id if end_id is None else end_id
         if not batch_input_ids:
             raise UserError("batch_input_ids is empty; pass at least one prompt")

@@ -55,6 +55,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @classmethod
+    def checked(cls, temperature: float, top_k: int, top_p: float, fix: str = "") -> "SamplingParams":
+        """The parameters of a request or command line, as a `UserError` (`fix`: what to change, appended)
+        when they are out of range."""
+        from blockpilot.errors import UserError
+
+        try:
+            return cls(temperature, top_k, top_p)
+        except ValueError as exc:
+            raise UserError(f"{exc}{fix}") from None
+
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities `(..., V)` after temperature, then top-k, then top-p (nucleus) filtering."""
