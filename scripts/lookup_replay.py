@@ -21,6 +21,7 @@ modelled tokens per second against plain decoding's one-row step, pooled over a 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from blockpilot.assets import default_drafter_dir
 from blockpilot.assets.smollm2 import smollm2_dir
 from blockpilot.models.checkpoint import load_drafter, load_target
-from blockpilot.runtime.lookup import MAX_NGRAM, PromptLookup
+from blockpilot.runtime.lookup import MAX_NGRAM, MIN_NGRAM, PromptLookup
 from blockpilot.text import chat_prompt_ids, load_tokenizer
 from blockpilot.training.data import read_answer_rows
 from blockpilot.training.evaluate import anchored_correct, sequence_taps
@@ -69,16 +70,19 @@ def accepted_per_position(target, drafter, ids: list[int], prompt_len: int, bloc
     return drafter_acc, lookup_acc
 
 
-def replay(choose, length: int, cost=None) -> list[int]:
-    """Tokens committed per step of a greedy loop over `length` positions; `choose(i)` -> accepted drafts.
-    With `cost(i)` (ms of the step at position i) it returns (steps, ms)."""
-    steps, i, ms = [], 0, 0.0
+def replay(choose, length: int) -> list[int]:
+    """Tokens committed per step of a greedy loop over `length` positions; `choose(i)` -> accepted drafts."""
+    steps, i = [], 0
     while i < length:
         a = choose(i)
         steps.append(a + 1)
-        ms += cost(i) if cost else 0.0
         i += a + 1
-    return (steps, ms) if cost else steps
+    return steps
+
+
+def step_starts(steps: list[int]) -> list[int]:
+    """The position each step of `replay`'s result starts at."""
+    return list(itertools.accumulate(steps[:-1], initial=0))
 
 
 def step_ms(costs: dict, block_size: int, step: tuple[int, int, bool]) -> float:
@@ -101,7 +105,7 @@ def main() -> None:
     ap.add_argument("--drafter", type=Path, help="default: the shipped drafter")
     ap.add_argument("--block-sizes", default="4,6,8")
     ap.add_argument("--min-ngram", default="2,3,4", help="lookup n-gram floors to compare")
-    ap.add_argument("--lookup-lengths", default="", help="copy lengths to try with the shipped floor (3)")
+    ap.add_argument("--lookup-lengths", default="", help=f"copy lengths to try with the shipped floor ({MIN_NGRAM})")
     ap.add_argument("--step-costs", type=Path, help="scripts/bench_steps.py --json output: price the rules")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -127,9 +131,9 @@ def run(args: argparse.Namespace) -> None:
             ids = prompt + row["answer_ids"] + ([tokenizer.eos_token_id] if row["finish"] == "stop" else [])
             taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
             for b in sizes:
-                longest = max([b, *lengths])
-                drafter_acc, lookup_acc = accepted_per_position(target, drafter, ids, len(prompt), b,
-                                                                sorted({*floors, 3}), taps, copy_length=longest)
+                drafter_acc, lookup_acc = accepted_per_position(
+                    target, drafter, ids, len(prompt), b, sorted({*floors, MIN_NGRAM}), taps,
+                    copy_length=max([b, *lengths]))
                 # rule -> per position: (accepted drafts, tokens verified, whether the draft was copied)
                 rules = {f"b{b} drafter": lambda i: (drafter_acc[i], b, False),
                          f"b{b} lookup only": lambda i: (0, 1, True) if lookup_acc[floors[0]][i] is None else (
@@ -142,17 +146,16 @@ def run(args: argparse.Namespace) -> None:
                         (drafter_acc[i], b, False) if acc[i] is None or drafter_acc[i] >= min(acc[i], b - 1)
                         else (min(acc[i], b - 1), b, True))
                 for n in lengths:
-                    rules[f"b{b} lookup n>=3 copying {n}, else drafter"] = lambda i, acc=lookup_acc[3], n=n: (
+                    acc = lookup_acc[MIN_NGRAM]
+                    rules[f"b{b} lookup n>={MIN_NGRAM} copying {n}, else drafter"] = lambda i, acc=acc, n=n: (
                         (drafter_acc[i], b, False) if acc[i] is None else (min(acc[i], n - 1), n, True))
                 for name, rule in rules.items():
-                    if costs:
-                        steps, ms = replay(lambda i: rule(i)[0], len(drafter_acc), lambda i: step_ms(costs, b, rule(i)))
-                        totals.setdefault(name, [0.0, 0.0])
-                        totals[name][0] += sum(steps)
-                        totals[name][1] += ms
-                    else:
-                        steps = replay(lambda i: rule(i)[0], len(drafter_acc))
+                    steps = replay(lambda i: rule(i)[0], len(drafter_acc))
                     taus.setdefault(name, []).append(sum(steps) / len(steps))
+                    if costs:
+                        total = totals.setdefault(name, [0.0, 0.0])
+                        total[0] += sum(steps)
+                        total[1] += sum(step_ms(costs, b, rule(i)) for i in step_starts(steps))
         report["sets"][path.name] = {"answers": len(next(iter(taus.values()))),
                                     "tau": {k: round(sum(v) / len(v), 4) for k, v in taus.items()}}
         if costs:  # tokens per ms of each rule over plain decoding's (one token a one-row step)
