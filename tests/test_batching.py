@@ -87,9 +87,9 @@ class CountingBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None):
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None, **kwargs):
         self.calls.append(("draft", last_tokens.shape[0], block_size))
-        return self.inner.draft(state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts)
+        return self.inner.draft(state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts, **kwargs)
 
     def verify(self, state, block_ids, start):
         self.calls.append(("verify", block_ids.shape[0], block_ids.shape[1]))
@@ -98,6 +98,7 @@ class CountingBackend:
 
 def test_requests_are_grouped_by_block_size_one_target_call_per_group(tmp_path_factory):
     runner = runner_for(tmp_path_factory, "onnxruntime-fp32")
+    runner.verify_length = "full"  # every verify carries its whole block, so its width is the group's size
     counting = CountingBackend(runner.backend)
     runner.backend = counting
     decoder = BatchDecoder(runner)

@@ -136,6 +136,15 @@ class StepCosts:
         `step_ms` without its drafter call (the table's steps are timed with the drafter drafting)."""
         return self.step_ms(block_size) - (self.drafter_ms[block_size] if block_size > 1 else 0.0)
 
+    def target_ms_at(self, rows: int) -> float:
+        """`target_ms[rows]`, linearly interpolated between the measured row counts (extrapolated from the
+        nearest two outside them): the verify cost of any row count from a table of a few."""
+        return _interpolate(self.target_ms, rows)
+
+    def drafter_ms_at(self, block_size: int) -> float:
+        """`drafter_ms[block_size]`, interpolated as `target_ms_at`."""
+        return _interpolate(self.drafter_ms, block_size)
+
     def to_dict(self) -> dict:
         return {"backend": self.backend, "dtype": self.dtype, "machine": self.machine, "context": self.context,
                 "threads": self.threads, "target_ms": {str(k): v for k, v in sorted(self.target_ms.items())},
@@ -149,6 +158,22 @@ class StepCosts:
                    {int(k): float(v) for k, v in raw["drafter_ms"].items()},
                    None if raw.get("threads") is None else int(raw["threads"]),
                    {int(k): float(v) for k, v in raw.get("loop_ms", {}).items()})
+
+
+def _interpolate(table: dict[int, float], x: int) -> float:
+    """`table[x]`, else the line through the two measured points around `x` (the nearest two outside them)."""
+    if x in table:
+        return table[x]
+    keys = sorted(table)
+    if len(keys) == 1:
+        return table[keys[0]]
+    lo = max([k for k in keys if k < x], default=None)
+    hi = min([k for k in keys if k > x], default=None)
+    if lo is None:
+        lo, hi = keys[0], keys[1]
+    elif hi is None:
+        lo, hi = keys[-2], keys[-1]
+    return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -157,10 +157,21 @@ def comma_list(text: str) -> list[str]:
 
 def parse_lookups(text: str) -> list[str]:
     """`greedy,off` -> ["greedy", "off"] (each value once, in order)."""
+    return parse_choices(text, LOOKUPS, "lookup")
+
+
+VERIFY_LENGTH_HELP = ("how many rows of a greedy request's drafted block a step verifies (lossless either way): "
+                      "adaptive (default: the leading drafts the drafter is sure enough of to pay for their rows, "
+                      "priced by the engine dir's or the predictor's step-cost table), full (every row)")
+VERIFY_LENGTHS = ("adaptive", "full")  # runtime.runner.VERIFY_LENGTHS
+
+
+def parse_choices(text: str, choices: tuple[str, ...], what: str) -> list[str]:
+    """`a,b` -> ["a", "b"]: each value once, in order, every one of `choices` (else a `UserError`)."""
     values = list(dict.fromkeys(comma_list(text)))
-    unknown = [v for v in values if v not in LOOKUPS]
+    unknown = [v for v in values if v not in choices]
     if unknown or not values:
-        raise UserError(f"lookup values {text!r}: give one or more of {', '.join(LOOKUPS)}, comma-separated")
+        raise UserError(f"{what} values {text!r}: give one or more of {', '.join(choices)}, comma-separated")
     return values
 
 
@@ -172,6 +183,17 @@ def add_lookup_arg(parser, many: bool = False) -> None:
                             "value, the systems of later values named with a -lookup-VALUE suffix")
     else:
         parser.add_argument("--lookup", choices=LOOKUPS, default="greedy", help=LOOKUP_HELP)
+
+
+def add_verify_length_arg(parser, many: bool = False) -> None:
+    """`--verify-length` (`Runner.verify_length`); with `many` (profile) a comma list, one system per value."""
+    if many:
+        parser.add_argument("--verify-length", type=argument_type(
+            lambda text: parse_choices(text, VERIFY_LENGTHS, "verify length")), default=["adaptive"], metavar="LIST",
+            help=VERIFY_LENGTH_HELP + "; a comma list (e.g. adaptive,full) profiles each block size once per value, "
+            "the systems of later values named with a -verify-VALUE suffix")
+    else:
+        parser.add_argument("--verify-length", choices=VERIFY_LENGTHS, default="adaptive", help=VERIFY_LENGTH_HELP)
 
 
 def add_model_args(parser, *, peers: bool = False) -> None:
@@ -368,6 +390,7 @@ def open_runner(args: argparse.Namespace) -> OpenedRunner:
                                  device=choice.runner_device, dtype=torch_dtype(choice.dtype),
                                  predictor=choice.predictor, predictor_any_backend=choice.predictor_any_backend)
     runner.lookup = getattr(args, "lookup", runner.lookup)
+    runner.verify_length = getattr(args, "verify_length", runner.verify_length)
     note = None
     if runner.backend.drafter_config is None:
         note = "no drafter, decoding autoregressively (block size 1); pass --drafter DIR for speculation"

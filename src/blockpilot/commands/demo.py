@@ -6,7 +6,8 @@ import argparse
 import sys
 import time
 
-from blockpilot.commands.common import add_lookup_arg, add_model_args, open_runner, parse_block_size
+from blockpilot.commands.common import (add_lookup_arg, add_verify_length_arg, add_model_args,
+                                        open_runner, parse_block_size)
 
 DEMO_PROMPTS = (
     ("code", "Write a Python function that returns the n-th Fibonacci number."),
@@ -23,6 +24,7 @@ def add_parser(subparsers) -> None:
                               "speculatively, and print tokens/s, tau and the block size used.")
     add_model_args(p)
     add_lookup_arg(p)
+    add_verify_length_arg(p)
     p.add_argument("--block-size", metavar="N|auto",
                    help="tokens per verify step, or 'auto' (the predictor chooses per prompt); default: auto "
                    "with a predictor, else the drafter's training block size")

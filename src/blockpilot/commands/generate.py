@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from blockpilot.commands.common import add_lookup_arg, add_model_args, open_runner, parse_block_size
+from blockpilot.commands.common import (add_lookup_arg, add_verify_length_arg, add_model_args,
+                                        open_runner, parse_block_size)
 from blockpilot.errors import UserError
 from blockpilot.text import chat_prompt_ids, load_tokenizer, one_line
 
@@ -33,6 +34,7 @@ def add_parser(subparsers) -> None:
     )
     add_model_args(p)
     add_lookup_arg(p)
+    add_verify_length_arg(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts-file", type=Path,

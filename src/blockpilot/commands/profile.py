@@ -8,7 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
-from blockpilot.commands.common import add_lookup_arg, add_model_args, argument_type, comma_list, parse_block_sizes
+from blockpilot.commands.common import (add_lookup_arg, add_verify_length_arg, add_model_args,
+                                        argument_type, comma_list, parse_block_sizes)
 from blockpilot.errors import UserError
 
 BASELINES = "ar,hf-ar,hf-dflash,hf-prompt-lookup"
@@ -49,6 +50,7 @@ def add_parser(subparsers) -> None:
                    help="how our runner judges drafts drawn at T > 0: block verification (default; keeps the most "
                         "tokens per step) or token by token (rejection sampling); both lossless")
     add_lookup_arg(p, many=True)
+    add_verify_length_arg(p, many=True)
     p.add_argument("--warmup", type=int, default=1, help="requests per system run before measuring")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (one per prompt, derived from it)")
     p.add_argument("--out", type=Path, required=True, help="report directory")
@@ -64,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         block_sizes=_block_modes(args.block_sizes), temperatures=_floats(args.temperature, "--temperature"),
         baselines=comma_list(args.baselines), candidates=_candidates(args.block_sizes), oracle_by=args.oracle_by,
         lookups=args.lookup,
+        verify_lengths=args.verify_length,
         limit=args.limit, max_new_tokens=args.max_new_tokens, warmup=args.warmup, seed=args.seed,
         command=["blockpilot", *sys.argv[1:]], progress=not args.no_progress,
     )

@@ -13,7 +13,7 @@ import argparse
 import functools
 import sys
 
-from blockpilot.commands.common import add_lookup_arg, add_model_args, open_runner
+from blockpilot.commands.common import add_lookup_arg, add_verify_length_arg, add_model_args, open_runner
 from blockpilot.errors import UserError
 
 
@@ -27,6 +27,7 @@ def add_parser(subparsers) -> None:
     )
     add_model_args(p)
     add_lookup_arg(p)
+    add_verify_length_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--served-model-name", help="the model id clients send (default: the target's directory "

@@ -372,7 +372,8 @@ def label_prompts(runner, prompts: list[tuple[int, str, list[int]]], settings: L
     """
     from tqdm import tqdm
 
-    with runner.lookup_set_to("all" if settings.lookup else "off"):
+    # labels price whole blocks (`verify_length` "full"), as their replay does
+    with runner.settings_set_to(lookup="all" if settings.lookup else "off", verify_length="full"):
         for index, prompt_id, ids in tqdm(prompts, desc="labelling", unit="prompt", disable=not progress):
             row = label_prompt(runner, ids, settings, seed=settings.seed * 1_000_003 + index)
             save_rows_atomic([prompt_id], row, out / PARTS / f"{index:07d}.safetensors")

@@ -34,6 +34,7 @@ class ProfileOptions:
         oracle_by: "tau" or "time" (see `measure.oracle_rows`).
         lookups: `Runner.lookup` values; each of our runner's block sizes runs once per value, the
             systems of the second and later values named with a `-lookup-<value>` suffix.
+        verify_lengths: `Runner.verify_length` values, the same way (suffix `-verify-<value>`).
         limit, max_new_tokens, warmup, seed: workload size and reproducibility.
         command: the command line, recorded in the report.
         progress: show a tqdm bar.
@@ -48,6 +49,7 @@ class ProfileOptions:
     candidates: list[int] | None = None
     oracle_by: str = "tau"
     lookups: list[str] = dataclasses.field(default_factory=lambda: ["greedy"])
+    verify_lengths: list[str] = dataclasses.field(default_factory=lambda: ["adaptive"])
     limit: int | None = None
     max_new_tokens: int = 128
     warmup: int = 1
@@ -143,8 +145,10 @@ def _build_systems(options: ProfileOptions, models: Models, registry: SystemRegi
             sweep += [name] if mode in ("sweep", "oracle") and name not in sweep else []
     ordered = sorted(ours.items(), key=lambda item: (item[1] == "auto", item[1] if item[1] != "auto" else 0))
     systems = [registry.create(REFERENCE, models)] + [
-        RunnerSystem(name + (f"-lookup-{lookup}" if i else ""), models, block, lookup=lookup)
-        for name, block in ordered for i, lookup in enumerate(options.lookups)]
+        RunnerSystem(name + (f"-lookup-{lookup}" if i else "") + (f"-verify-{verify}" if j else ""), models, block,
+                     lookup=lookup, verify_length=verify)
+        for name, block in ordered for i, lookup in enumerate(options.lookups)
+        for j, verify in enumerate(options.verify_lengths)]
     return systems + [p for p in peers if p.name not in {s.name for s in systems}], sweep
 
 

@@ -17,7 +17,6 @@ Tests add systems of their own to a registry.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -166,13 +165,13 @@ class Models:
 
 class RunnerSystem:
     """Our `Runner.generate` at one block size (int) or "auto" (the runner's predictor); with
-    `one_row`, plain decoding without padding rows (`Models.one_row_runner`). `lookup`: the runner's
-    `lookup` setting while this system generates (None: the runner's own)."""
+    `one_row`, plain decoding without padding rows (`Models.one_row_runner`). `lookup`, `verify_length`: the
+    runner's settings of those names while this system generates (None: the runner's own)."""
 
     def __init__(self, name: str, models: Models, block_size: int | str, one_row: bool = False,
-                 lookup: str | None = None):
+                 lookup: str | None = None, verify_length: str | None = None):
         self.name, self.models, self.block_size, self.one_row = name, models, block_size, one_row
-        self.lookup = lookup
+        self.settings = {"lookup": lookup, "verify_length": verify_length}
         self.kind = name if one_row else ("ar" if block_size == 1 else "bp")
 
     def _runner(self):
@@ -183,8 +182,7 @@ class RunnerSystem:
 
     def generate(self, request: Request, temperature: float, seed: int, max_new_tokens: int) -> Measurement:
         runner, n = self._runner(), len(request.input_ids)
-        lookup = runner.lookup_set_to(self.lookup) if self.lookup is not None else contextlib.nullcontext()
-        with lookup, RequestTimer(self.models.clock, self.models.sources.device) as timer:
+        with runner.settings_set_to(**self.settings), RequestTimer(self.models.clock, self.models.sources.device) as timer:
             out = runner.generate([torch.tensor(request.input_ids)], max_new_tokens=max_new_tokens,
                                   temperature=temperature, random_seed=seed, block_size=self.block_size,
                                   return_dict=True)

@@ -83,6 +83,7 @@ class _Active:
     adaptive: bool = False  # the block size came from the predictor and may be revised downwards
     moving: bool = False  # leaving one group for another (its tokens are already reported)
     proposal: tuple[torch.Tensor, torch.Tensor] | None = None  # sampled draft: (columns (K-1,), q (K-1, N))
+    rows: int = 0  # block rows this step's draft asks the verify for (`Runner.verify_length`)
     lookup: PromptLookup | None = None  # copied drafts (`runtime.lookup`), None: the drafter's only
 
 
@@ -224,7 +225,8 @@ class BatchDecoder:
             index = self._join(active)
             drafts[index] = torch.cat((drafts[index], first)) if index in drafts else first
         for index, group in enumerate(self._groups):
-            events += self._verify_group(group, drafts[index])
+            rows = max(a.rows for a in group.members)  # a group verifies as many rows as its members ask for
+            events += self._verify_group(group, drafts[index][:, : rows - 1])
         self._groups = [g for g in self._groups if g.members]
         return events
 
@@ -308,6 +310,8 @@ class BatchDecoder:
         row's context allows it, else from one drafter call. With `skip_drafter` the call is skipped when
         every row copies (the taps then wait for the next call); a request's first draft makes it anyway,
         so that its prompt's context never widens the drafter calls of the group it joins."""
+        for a in members:
+            a.rows = a.k  # copied and sampled drafts are verified whole
         if members[0].k == 1:
             return torch.zeros((len(members), 0), dtype=torch.long)
         copies = {row: copy for row, a in enumerate(members)
@@ -320,9 +324,11 @@ class BatchDecoder:
         for i, a in enumerate(members):
             taps[i, : counts[i]] = a.pending_taps[0]
         last = torch.cat([a.last for a in members])
-        sampled = self.runner.sampled_drafts and getattr(self.backend, "draft_logits", False) and any(
-            not a.params.greedy for a in members)
-        extra = {"with_logits": True} if sampled else {}
+        has_logits = getattr(self.backend, "draft_logits", False)
+        sampled = self.runner.sampled_drafts and has_logits and any(not a.params.greedy for a in members)
+        shorten = [has_logits and row not in copies and self.runner.verifies_adaptively(a.params)
+                   for row, a in enumerate(members)]
+        extra = {"with_logits": True} if sampled or any(shorten) else {}
         if len(members) == 1:
             a = members[0]
             draft = self.backend.draft(state, last, taps, a.ctx_start, a.pos, a.k, **extra)
@@ -333,8 +339,13 @@ class BatchDecoder:
                                        new_counts=torch.tensor(counts, dtype=torch.int64), **extra)
         for a in members:
             a.result.drafter_calls += 1
+        for row, a in enumerate(members):
+            if shorten[row]:
+                a.rows = self.runner.rows_to_verify(draft.logits[row], a.k)
         if sampled:
             draft = self._sample_drafts(members, draft)
+        elif extra:
+            draft = draft.ids
         if copies:
             draft = draft.clone()
             for row, copy in copies.items():

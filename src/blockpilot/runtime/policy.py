@@ -116,6 +116,34 @@ def revise_block_size(block_size: int, accept_lengths: list[int], steps_at_size:
     return best if best != block_size and rate(best) > current * (1 + margin) else block_size
 
 
+def verify_rows(confidence, verify_ms, fixed_ms: float) -> int:
+    """How many rows of a greedy block to verify: the k in 1..len(confidence) + 1 with the most expected
+    tokens per millisecond.
+
+    A block is the last committed token and its drafts; verifying its first k rows can keep the first
+    k - 1 drafts. Slot j's draft survives (given the slots before it did) about as often as the drafter's
+    top probability there, `confidence[j - 1]` (measured on SmolLM2's drafter: drafts at confidence
+    0.5-0.6 were accepted 47%, at 0.9-1.0 94%), so k rows are expected to commit
+    `1 + sum_{j < k} prod_{i <= j} confidence[i - 1]` tokens and cost `verify_ms(k) + fixed_ms` (the
+    drafter call and the loop, the same for every k). On a CPU a verify row costs ~1-4% of a step, so
+    rows whose drafts will likely fail are worth dropping. Lossless: which rows are verified depends only
+    on the drafter's output, never on the target's.
+
+    Args:
+        confidence: the drafter's top probability at each draft slot, in order.
+        verify_ms: `verify_ms(k)`, milliseconds of a target forward over k rows.
+        fixed_ms: the rest of a step, the same whatever k.
+    """
+    best_rows, best_rate, expected, survive = 1, 1.0 / (verify_ms(1) + fixed_ms), 1.0, 1.0
+    for rows, c in enumerate(confidence, start=2):
+        survive *= float(c)
+        expected += survive
+        rate = expected / (verify_ms(rows) + fixed_ms)
+        if rate > best_rate:
+            best_rows, best_rate = rows, rate
+    return best_rows
+
+
 def select_block_size(probabilities: torch.Tensor, candidates: torch.Tensor, fallback: int,
                       threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Block size per row: the most probable candidate, or `fallback` when it is not sure enough.

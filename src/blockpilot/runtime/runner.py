@@ -29,6 +29,7 @@ from blockpilot.runtime.backend import Backend
 from blockpilot.runtime.sampling import VERIFICATIONS, SamplingParams
 
 LOOKUPS = ("greedy", "all", "off")  # which requests may copy drafts by lookup (`runtime.lookup`)
+VERIFY_LENGTHS = ("adaptive", "full")  # how many rows of a drafted block a step verifies (`Runner.verify_length`)
 
 
 def check_lookup(which: str) -> str:
@@ -130,15 +131,23 @@ class Runner:
         lookup: which requests draft by lookup (`runtime.lookup`: a copy of what followed the last
             time the context ended the same way, used instead of the drafter's block where one exists):
             "greedy" (default: T = 0 requests), "all", or "off". Lossless in every case.
+        verify_length: "adaptive" (default): a greedy request's step verifies only the leading drafts that
+            pay for their target rows, by the drafter's confidence and the step-cost table of the engine
+            directory (else of the predictor; `policy.verify_rows`); "full": every row of the block. Lossless
+            either way (the choice depends only on the drafter's output). Without a step-cost table, or for
+            sampled requests and copied drafts, steps verify the whole block.
     """
 
     def __init__(self, backend: Backend, *, policy=None, default_block_size: int | None = None,
                  end_id: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 sampled_drafts: bool = True, verification: str = "block", lookup: str = "greedy"):
+                 sampled_drafts: bool = True, verification: str = "block", lookup: str = "greedy",
+                 verify_length: str = "adaptive"):
         self.backend = backend
         self.sampled_drafts = sampled_drafts
         self.verification = verification
         self.lookup = lookup
+        self.verify_length = verify_length
+        self._step_costs = None
         self.policy = policy
         dc = backend.drafter_config
         self.default_block_size = default_block_size or (dc.block_size if dc is not None else 1)
@@ -166,17 +175,62 @@ class Runner:
         self._lookup = check_lookup(which)
 
     @contextlib.contextmanager
-    def lookup_set_to(self, which: str):
-        """`lookup` is `which` inside the block, and what it was afterwards."""
-        saved, self.lookup = self.lookup, which
+    def settings_set_to(self, **settings):
+        """The runner's settings named in `settings` (e.g. `lookup`, `verify_length`) set to their values inside
+        the block (None: left alone), and what they were afterwards."""
+        saved = {name: getattr(self, name) for name, value in settings.items() if value is not None}
         try:
+            for name in saved:
+                setattr(self, name, settings[name])
             yield self
         finally:
-            self.lookup = saved
+            for name, value in saved.items():
+                setattr(self, name, value)
 
     def uses_lookup(self, params: SamplingParams) -> bool:
         """Whether a request with `params` may copy drafts by lookup."""
         return self.backend.drafter_config is not None and lookup_applies(self._lookup, params)
+
+    @property
+    def verify_length(self) -> str:
+        """How many rows of a drafted block a step verifies: "adaptive" or "full" (see the class docstring)."""
+        return self._verify_length
+
+    @verify_length.setter
+    def verify_length(self, which: str) -> None:
+        if which not in VERIFY_LENGTHS:
+            raise UserError(f"unknown verify length {which!r}: choose one of {', '.join(VERIFY_LENGTHS)}")
+        self._verify_length = which
+
+    @property
+    def step_costs(self):
+        """The step-cost table adaptive verify lengths are priced with: one set here, else the engine
+        directory's (measured by `blockpilot build` on these graphs), else the predictor's; None when none."""
+        if self._step_costs is not None:
+            return self._step_costs
+        manifest = getattr(self.backend, "manifest", None)
+        if manifest is not None and manifest.step_costs is not None:
+            return manifest.step_costs
+        return getattr(self.policy, "step_costs", None)
+
+    @step_costs.setter
+    def step_costs(self, costs) -> None:
+        self._step_costs = costs
+
+    def verifies_adaptively(self, params: SamplingParams) -> bool:
+        """Whether a request with `params` verifies adaptive lengths of its drafter's blocks."""
+        return self._verify_length == "adaptive" and params.greedy and self.step_costs is not None
+
+    def rows_to_verify(self, draft_logits: torch.Tensor, block_size: int) -> int:
+        """Rows (1..`block_size`) of a greedy block to verify, from the drafter's logits `(K - 1, N)` at its
+        draft slots (`policy.verify_rows`)."""
+        from blockpilot.runtime.policy import verify_rows
+
+        costs = self.step_costs
+        logits = draft_logits.float()
+        confidence = (logits.max(-1).values - logits.logsumexp(-1)).exp().tolist()  # top probability per slot
+        return verify_rows(confidence, costs.target_ms_at, costs.drafter_ms_at(block_size))
+
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, drafter_dir: str | Path | None = None,

@@ -143,9 +143,10 @@ def time_decode_loop(runner, sizes: Iterable[int], context: int, new_tokens: int
     With `prompts` (1-D id tensors of real requests), each round decodes every prompt at each size and a
     round's step time is its decode time over its steps: the drafts are accepted as they are in use, so
     each step's bookkeeping and the drafter's new context rows are what real requests pay. Every step
-    drafts with the drafter (no lookup drafts, `runtime.lookup`): these are the costs of its blocks.
+    drafts with the drafter (no lookup drafts, `runtime.lookup`) and verifies whole blocks: these are the costs
+    of its blocks.
     """
-    with runner.lookup_set_to("off"):
+    with runner.settings_set_to(lookup="off", verify_length="full"):
         return _time_decode_loop(runner, sizes, context, new_tokens, rounds, prompts)
 
 
