@@ -231,7 +231,6 @@ class Runner:
         confidence = (logits.max(-1).values - logits.logsumexp(-1)).exp().tolist()  # top probability per slot
         return verify_rows(confidence, costs.target_ms_at, costs.drafter_ms_at(block_size))
 
-
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, drafter_dir: str | Path | None = None,
                  backend: str | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
