@@ -12,7 +12,10 @@ then over prompts (DFlash's convention, as `scripts/eval_drafter.py`).
 `--lookup-lengths 8,12,16` adds the runtime's rule with copies of those lengths (a copying step verifies
 L tokens, a drafting step the block size), and `--step-costs` (a `scripts/bench_steps.py --json` file)
 prices every rule's steps with its verify and drafter times (a copying step makes no drafter call):
-modelled tokens per second against plain decoding's one-row step, pooled over a set's answers.
+modelled tokens per second against plain decoding's one-row step, pooled over a set's answers. With
+`--step-costs` the runtime's rule is also replayed with adaptive verify lengths (`runtime.policy.verify_rows`
+on the drafter's top probabilities, priced by that table: a drafting step verifies only the rows that pay)
+and with a per-step oracle of the verify length (the accepted drafts + 1 rows).
 
     python scripts/lookup_replay.py --answers ~/.cache/blockpilot/eval/answers/humaneval-greedy-128.jsonl \
         --answers ~/.cache/blockpilot/eval/answers/mtbench-greedy-128.jsonl --block-sizes 4,6,8 --out lookup.json
@@ -34,7 +37,8 @@ from blockpilot.models.checkpoint import load_drafter, load_target
 from blockpilot.runtime.lookup import MAX_NGRAM, MIN_NGRAM, PromptLookup
 from blockpilot.text import chat_prompt_ids, load_tokenizer
 from blockpilot.training.data import read_answer_rows
-from blockpilot.training.evaluate import anchored_correct, sequence_taps
+from blockpilot.runtime.policy import verify_rows
+from blockpilot.training.evaluate import anchored_drafts, sequence_taps
 
 
 def leading_matches(draft, truth) -> int:
@@ -49,15 +53,15 @@ def leading_matches(draft, truth) -> int:
 @torch.inference_mode()
 def accepted_per_position(target, drafter, ids: list[int], prompt_len: int, block_size: int, min_ngrams,
                           taps: torch.Tensor | None = None, copy_length: int | None = None):
-    """Per answer position `pos` (ids[pos] is the block's first token): the drafter's accepted drafts, and
-    per n-gram floor the lookup draft's accepted drafts (None: no match) of a copy of `copy_length - 1`
-    tokens (default: the block's). `taps`: the target's taps of `ids` (`training.evaluate.sequence_taps`;
-    computed when not given)."""
+    """Per answer position `pos` (ids[pos] is the block's first token): the drafter's accepted drafts, per
+    n-gram floor the lookup draft's accepted drafts (None: no match) of a copy of `copy_length - 1` tokens
+    (default: the block's), and the drafter's top probability at each slot (what adaptive verify lengths
+    read). `taps`: the target's taps of `ids` (`training.evaluate.sequence_taps`; computed when not given)."""
     copy_length = copy_length or block_size
     n = len(ids)
     if taps is None:
         taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
-    correct, _ = anchored_correct(target, drafter, ids, torch.arange(prompt_len, n - 1), block_size, taps)
+    correct, _, confidence = anchored_drafts(target, drafter, ids, torch.arange(prompt_len, n - 1), block_size, taps)
     drafter_acc = correct.long().cumprod(1).sum(1).tolist()
     lookups = {m: PromptLookup(ids[:prompt_len], min_ngram=m, max_ngram=max(m, MAX_NGRAM)) for m in min_ngrams}
     lookup_acc = {m: [] for m in min_ngrams}
@@ -67,7 +71,7 @@ def accepted_per_position(target, drafter, ids: list[int], prompt_len: int, bloc
             lookup.extend([ids[pos]])
             copy = lookup.propose(copy_length - 1)
             lookup_acc[m].append(None if copy is None else leading_matches(copy, truth))
-    return drafter_acc, lookup_acc
+    return drafter_acc, lookup_acc, confidence.tolist()
 
 
 def replay(choose, length: int) -> list[int]:
@@ -86,9 +90,10 @@ def step_starts(steps: list[int]) -> list[int]:
 
 
 def step_ms(costs: dict, block_size: int, step: tuple[int, int, bool]) -> float:
-    """ms of a step that verifies `step[1]` tokens, with a drafter call at `block_size` unless it copied."""
+    """ms of a step that verifies `step[1]` tokens, with a drafter call at `block_size` unless it copied (a
+    lookup-only step without a match counts as copied: it calls nothing)."""
     _, width, copied = step
-    return costs["verify"][width] + (0.0 if copied or width == 1 else costs["draft"][block_size])
+    return costs["verify"][width] + (0.0 if copied else costs["draft"][block_size])
 
 
 def read_step_costs(path: Path) -> dict:
@@ -131,7 +136,7 @@ def run(args: argparse.Namespace) -> None:
             ids = prompt + row["answer_ids"] + ([tokenizer.eos_token_id] if row["finish"] == "stop" else [])
             taps = sequence_taps(target, ids, drafter.config.target_layer_ids)
             for b in sizes:
-                drafter_acc, lookup_acc = accepted_per_position(
+                drafter_acc, lookup_acc, confidence = accepted_per_position(
                     target, drafter, ids, len(prompt), b, sorted({*floors, MIN_NGRAM}), taps,
                     copy_length=max([b, *lengths]))
                 # rule -> per position: (accepted drafts, tokens verified, whether the draft was copied)
@@ -149,6 +154,20 @@ def run(args: argparse.Namespace) -> None:
                     acc = lookup_acc[MIN_NGRAM]
                     rules[f"b{b} lookup n>={MIN_NGRAM} copying {n}, else drafter"] = lambda i, acc=acc, n=n: (
                         (drafter_acc[i], b, False) if acc[i] is None else (min(acc[i], n - 1), n, True))
+                if costs:  # the runtime's rule with adaptive verify lengths (`Runner.verify_length`), and an oracle
+                    acc = lookup_acc[MIN_NGRAM]
+                    verify_ms = costs["verify"].__getitem__
+
+                    def adaptive(i, acc=acc):
+                        if acc[i] is not None:
+                            return min(acc[i], b - 1), b, True
+                        rows = verify_rows(confidence[i], verify_ms, costs["draft"][b])
+                        return min(drafter_acc[i], rows - 1), rows, False
+
+                    rules[f"b{b} lookup n>={MIN_NGRAM}, else drafter, adaptive verify"] = adaptive
+                    rules[f"b{b} lookup n>={MIN_NGRAM}, else drafter, oracle verify"] = lambda i, acc=acc: (
+                        (min(acc[i], b - 1), b, True) if acc[i] is not None else
+                        (drafter_acc[i], drafter_acc[i] + 1, False))
                 for name, rule in rules.items():
                     steps = replay(lambda i: rule(i)[0], len(drafter_acc))
                     taus.setdefault(name, []).append(sum(steps) / len(steps))

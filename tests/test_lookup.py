@@ -177,7 +177,7 @@ def test_lookup_replay_script_replays_the_runtime_steps_exactly(tiny):
                 out = runner.generate([torch.tensor(ids)], max_new_tokens=30, block_size=b, end_id=-1, return_dict=True)
                 runs[mode] = out["accept_lengths"][0]
             answer = out["output_ids"][0, 0].tolist()[: len(ids) + 30]
-            drafter_acc, lookup_acc = script.accepted_per_position(target, drafter, answer, len(ids), b, [3])
+            drafter_acc, lookup_acc, _ = script.accepted_per_position(target, drafter, answer, len(ids), b, [3])
             # the last step may keep drafts beyond the 30 tokens, which the replay of 30 tokens cannot see
             assert script.replay(lambda i: drafter_acc[i], len(drafter_acc))[:-1] == runs["off"][:-1]
             combined = script.replay(lambda i: drafter_acc[i] if lookup_acc[3][i] is None else lookup_acc[3][i],
@@ -246,6 +246,17 @@ def test_lookup_replay_script_prices_copies_of_other_lengths(tmp_path, monkeypat
     assert tau["b3 lookup n>=3 copying 6, else drafter"] > tau["b3 lookup n>=3, else drafter"]  # the answers loop
     # a copying step costs 13 ms, a drafting one 15: plain decoding makes 1 token in 10 ms
     assert speed["b3 drafter"] < 10 * tau["b3 drafter"] / 13 and speed["b3 drafter"] > 10 / 15
+    # verifying exactly the rows that will be accepted keeps every token for less
+    rule, oracle = "b3 lookup n>=3, else drafter", "b3 lookup n>=3, else drafter, oracle verify"
+    assert tau[oracle] == tau[rule] and speed[oracle] >= speed[rule]
+    assert f"{rule}, adaptive verify" in tau
+    # where verify rows cost nothing, adaptive verify lengths verify every row: the runtime's rule itself
+    costs.write_text(json.dumps({"paths": [{"verify_ms": {str(k): 10.0 for k in range(1, 9)},
+                                            "draft_ms": {str(k): 2.0 for k in range(2, 9)}, "one_row_ms": 10.0}]}))
+    load_script("lookup_replay").main()
+    report = json.loads(out.read_text())["sets"]["answers.jsonl"]
+    assert report["tau"][f"{rule}, adaptive verify"] == report["tau"][rule]
+    assert report["speed_vs_plain"][f"{rule}, adaptive verify"] == report["speed_vs_plain"][rule]
 
 
 def test_the_command_line_offers_the_runners_lookup_values():

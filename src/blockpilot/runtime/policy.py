@@ -116,6 +116,12 @@ def revise_block_size(block_size: int, accept_lengths: list[int], steps_at_size:
     return best if best != block_size and rate(best) > current * (1 + margin) else block_size
 
 
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """`softmax(logits).max(-1)` `(...)` from logits `(..., N)`: the drafter's confidence in its greedy draft."""
+    logits = logits.float()
+    return (logits.max(-1).values - logits.logsumexp(-1)).exp()
+
+
 def verify_rows(confidence, verify_ms, fixed_ms: float) -> int:
     """How many rows of a greedy block to verify: the k in 1..len(confidence) + 1 with the most expected
     tokens per millisecond.

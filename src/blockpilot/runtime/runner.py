@@ -224,12 +224,10 @@ class Runner:
     def rows_to_verify(self, draft_logits: torch.Tensor, block_size: int) -> int:
         """Rows (1..`block_size`) of a greedy block to verify, from the drafter's logits `(K - 1, N)` at its
         draft slots (`policy.verify_rows`)."""
-        from blockpilot.runtime.policy import verify_rows
+        from blockpilot.runtime.policy import top_probability, verify_rows
 
         costs = self.step_costs
-        logits = draft_logits.float()
-        confidence = (logits.max(-1).values - logits.logsumexp(-1)).exp().tolist()  # top probability per slot
-        return verify_rows(confidence, costs.target_ms_at, costs.drafter_ms_at(block_size))
+        return verify_rows(top_probability(draft_logits).tolist(), costs.target_ms_at, costs.drafter_ms_at(block_size))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, drafter_dir: str | Path | None = None,

@@ -190,9 +190,22 @@ def anchored_correct(target: Decoder, drafter: DFlashDrafter, ids: list[int], an
                      taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Which greedy drafts are right `(A, block_size - 1)` for a block anchored at each of `anchors` (`ids[a]` is
     the block's first token), and which slots lie inside `ids`, in one batched drafter pass."""
+    correct, valid, _ = anchored_drafts(target, drafter, ids, anchors, block_size, taps)
+    return correct, valid
+
+
+@torch.inference_mode()
+def anchored_drafts(target: Decoder, drafter: DFlashDrafter, ids: list[int], anchors: torch.Tensor, block_size: int,
+                    taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`anchored_correct`'s two tensors and the drafter's top probability at every slot `(A, block_size - 1)`
+    (`runtime.policy.top_probability`: what adaptive verify lengths read)."""
+    from blockpilot.runtime.policy import top_probability
+
     batch = Batch(torch.tensor([ids]), taps, torch.tensor([len(ids)]), anchors[None],
                   torch.ones(1, len(anchors), dtype=torch.bool))
     hidden = block_forward(drafter, target.embed_tokens.weight, batch, block_size)[:, 1:]
     labels, valid = block_labels(batch, block_size)
-    drafts = greedy_draft_tokens(hidden, drafter.draft_head_weight(target.lm_head.weight), drafter.draft_vocab_ids)
-    return (drafts == labels) & valid, valid
+    logits = draft_logits(hidden, drafter.draft_head_weight(target.lm_head.weight))
+    best = logits.argmax(-1)
+    drafts = best if drafter.draft_vocab_ids is None else drafter.draft_vocab_ids[best]
+    return (drafts == labels) & valid, valid, top_probability(logits)
