@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter, draft_logits
+from blockpilot.models.dflash import DFlashDrafter, draft_logits, logits_draft_tokens
 from blockpilot.models.layers import rope_for_heads, write_cache
 
 SUPPORTED_OPSETS = (18, 24)
@@ -143,8 +143,7 @@ class DrafterGraph(nn.Module):
             present += [k_ctx, v_ctx]
         head = self.lm_head.weight if self.draft_head is None else self.draft_head
         logits = draft_logits(d.norm(x)[:, 1:], head)  # (b, K - 1, N)
-        best = logits.argmax(-1)
-        draft_ids = best if d.draft_vocab_ids is None else d.draft_vocab_ids[best]  # (b, K - 1) target ids
+        draft_ids = logits_draft_tokens(logits, d.draft_vocab_ids)  # (b, K - 1) target ids
         return (draft_ids, logits, *present)
 
 

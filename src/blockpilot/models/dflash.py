@@ -154,7 +154,13 @@ def greedy_draft_tokens(hidden: torch.Tensor, head_weight: torch.Tensor | nn.Mod
     Returns:
         `(...)` int64 target token ids.
     """
-    best = draft_logits(hidden, head_weight).argmax(-1)  # (...) row of head_weight
+    return logits_draft_tokens(draft_logits(hidden, head_weight), vocab_ids)
+
+
+def logits_draft_tokens(logits: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    """Greedy draft tokens `(...)` as target ids from drafter logits `(..., N)`: the argmax row, mapped
+    through `vocab_ids` (see `greedy_draft_tokens`)."""
+    best = logits.argmax(-1)  # (...) row of the head
     return best if vocab_ids is None else vocab_ids[best]
 
 

@@ -182,7 +182,8 @@ class RunnerSystem:
 
     def generate(self, request: Request, temperature: float, seed: int, max_new_tokens: int) -> Measurement:
         runner, n = self._runner(), len(request.input_ids)
-        with runner.settings_set_to(**self.settings), RequestTimer(self.models.clock, self.models.sources.device) as timer:
+        timer = RequestTimer(self.models.clock, self.models.sources.device)
+        with runner.settings_set_to(**self.settings), timer:
             out = runner.generate([torch.tensor(request.input_ids)], max_new_tokens=max_new_tokens,
                                   temperature=temperature, random_seed=seed, block_size=self.block_size,
                                   return_dict=True)

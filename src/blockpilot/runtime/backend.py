@@ -19,7 +19,7 @@ import torch
 
 from blockpilot.models.config import DecoderConfig, DrafterConfig
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter, draft_logits, greedy_draft_tokens
+from blockpilot.models.dflash import DFlashDrafter, draft_logits, greedy_draft_tokens, logits_draft_tokens
 from blockpilot.models.packed import PackedLinear, can_pack, pack_linears
 
 
@@ -259,8 +259,7 @@ class TorchBackend:
         if not with_logits:
             return greedy_draft_tokens(hidden[:, 1:], self.draft_head, d.draft_vocab_ids)  # (B, K - 1) target ids
         logits = draft_logits(hidden[:, 1:], self.draft_head)  # (B, K - 1, N)
-        best = logits.argmax(-1)
-        return DraftOutput(best if d.draft_vocab_ids is None else d.draft_vocab_ids[best], logits.float())
+        return DraftOutput(logits_draft_tokens(logits, d.draft_vocab_ids), logits.float())
 
     @torch.inference_mode()
     def verify(self, state, block_ids, start):

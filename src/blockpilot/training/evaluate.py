@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter, draft_logits, greedy_draft_tokens
+from blockpilot.models.dflash import DFlashDrafter, draft_logits, greedy_draft_tokens, logits_draft_tokens
 from blockpilot.runtime.lookup import PromptLookup
 from blockpilot.training.objective import Batch, block_forward, block_labels, simulated_tau
 
@@ -206,6 +206,5 @@ def anchored_drafts(target: Decoder, drafter: DFlashDrafter, ids: list[int], anc
     hidden = block_forward(drafter, target.embed_tokens.weight, batch, block_size)[:, 1:]
     labels, valid = block_labels(batch, block_size)
     logits = draft_logits(hidden, drafter.draft_head_weight(target.lm_head.weight))
-    best = logits.argmax(-1)
-    drafts = best if drafter.draft_vocab_ids is None else drafter.draft_vocab_ids[best]
+    drafts = logits_draft_tokens(logits, drafter.draft_vocab_ids)
     return (drafts == labels) & valid, valid, top_probability(logits)
