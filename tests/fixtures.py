@@ -129,3 +129,22 @@ def make_word_corpus(tmp: Path) -> tuple[Path, Path]:
     answers = tmp / "answers.jsonl"
     answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return target_dir, answers
+
+
+class CountingBackend:
+    """Records the number of rows of every draft and verify call of the backend it wraps."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[tuple[str, int, int]] = []  # (kind, rows, block size)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None, **kwargs):
+        self.calls.append(("draft", last_tokens.shape[0], block_size))
+        return self.inner.draft(state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts, **kwargs)
+
+    def verify(self, state, block_ids, start):
+        self.calls.append(("verify", block_ids.shape[0], block_ids.shape[1]))
+        return self.inner.verify(state, block_ids, start)

@@ -17,6 +17,7 @@ from blockpilot.runtime.batching import BatchDecoder, GenerationRequest
 from blockpilot.runtime.runner import Runner
 
 from builder_fixtures import tiny_engine_dir, tiny_models
+from fixtures import CountingBackend
 from test_sampling import chi2_critical, chi2_statistic
 
 PROMPTS = [[5, 17, 42, 8, 11, 3, 29], [7, 2], [40, 41, 42, 43, 1, 9, 12, 30, 31, 4, 6], [13, 13, 13]]
@@ -75,25 +76,6 @@ def test_generate_batches_mixed_block_sizes_and_matches_one_by_one(tmp_path_fact
     one_by_one = runner.generate(prompts, max_new_tokens=10, block_size=5, return_dict=True, max_batch=1)
     assert torch.equal(together["output_ids"], one_by_one["output_ids"])
     assert together["accept_lengths"] == one_by_one["accept_lengths"]
-
-
-class CountingBackend:
-    """Records the number of rows of every draft and verify call of the backend it wraps."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.calls: list[tuple[str, int, int]] = []  # (kind, rows, block size)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def draft(self, state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts=None, **kwargs):
-        self.calls.append(("draft", last_tokens.shape[0], block_size))
-        return self.inner.draft(state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts, **kwargs)
-
-    def verify(self, state, block_ids, start):
-        self.calls.append(("verify", block_ids.shape[0], block_ids.shape[1]))
-        return self.inner.verify(state, block_ids, start)
 
 
 def test_requests_are_grouped_by_block_size_one_target_call_per_group(tmp_path_factory):

@@ -8,11 +8,16 @@ from blockpilot.errors import UserError
 from blockpilot.runtime.policy import verify_rows
 from blockpilot.runtime.runner import Runner
 
-from fixtures import make_drafter, make_hf_target
+from fixtures import CountingBackend, make_drafter, make_hf_target
 
 
 def linear(base: float, per_row: float):
     return lambda rows: base + per_row * rows
+
+
+def verify_widths(recording: CountingBackend) -> list[int]:
+    """The rows of every verify call the backend made."""
+    return [width for kind, _, width in recording.calls if kind == "verify"]
 
 
 def test_confident_drafts_are_verified_whole():
@@ -54,24 +59,10 @@ def tiny(tmp_path_factory):
     return target, make_drafter(tmp, target, block_size=8)
 
 
-class RecordingVerifies:
-    """Wraps a backend and records how many rows each verify carried."""
-
-    def __init__(self, inner):
-        self.inner, self.rows = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def verify(self, state, block_ids, start):
-        self.rows.append(block_ids.shape[1])
-        return self.inner.verify(state, block_ids, start)
-
-
 @pytest.mark.parametrize("lookup", ["greedy", "off"])
 def test_adaptive_verify_lengths_leave_greedy_output_equal_to_plain_decoding(tiny, lookup):
     plain = Runner.from_dir(tiny[0], drafter_dir=tiny[1])
-    recording = RecordingVerifies(plain.backend)
+    recording = CountingBackend(plain.backend)
     runner = Runner(recording, lookup=lookup)
     runner.step_costs = STEEP
     assert runner.verify_length == "adaptive"
@@ -79,10 +70,10 @@ def test_adaptive_verify_lengths_leave_greedy_output_equal_to_plain_decoding(tin
     for ids in PROMPTS:
         expected = plain.generate([torch.tensor(ids)], max_new_tokens=30, block_size=1, end_id=-1)
         for k in (2, 4, 8):
-            recording.rows.clear()
+            recording.calls.clear()
             out = runner.generate([torch.tensor(ids)], max_new_tokens=30, block_size=k, end_id=-1)
             assert torch.equal(out, expected), (ids, k)
-            widths.setdefault(k, []).extend(recording.rows)
+            widths.setdefault(k, []).extend(verify_widths(recording))
     assert all(1 <= w <= k for k, ws in widths.items() for w in ws)
     assert any(w < 8 for w in widths[8])  # the random tiny drafter is rarely sure: steps verify fewer rows
 
@@ -90,11 +81,11 @@ def test_adaptive_verify_lengths_leave_greedy_output_equal_to_plain_decoding(tin
 def test_full_verify_length_or_no_step_costs_verifies_every_row(tiny):
     base = Runner.from_dir(tiny[0], drafter_dir=tiny[1]).backend
     for setup in ({"verify_length": "full", "step_costs": STEEP}, {"verify_length": "adaptive", "step_costs": None}):
-        recording = RecordingVerifies(base)
+        recording = CountingBackend(base)
         runner = Runner(recording, lookup="off", verify_length=setup["verify_length"])
         runner.step_costs = setup["step_costs"]
         runner.generate([torch.tensor(PROMPTS[1])], max_new_tokens=20, block_size=4, end_id=-1)
-        assert set(recording.rows) == {4}, setup
+        assert set(verify_widths(recording)) == {4}, setup
 
 
 def test_batched_requests_with_adaptive_verify_lengths_equal_their_single_outputs(tiny):
@@ -109,12 +100,12 @@ def test_batched_requests_with_adaptive_verify_lengths_equal_their_single_output
 
 def test_sampled_requests_verify_whole_blocks(tiny):
     base = Runner.from_dir(tiny[0], drafter_dir=tiny[1]).backend
-    recording = RecordingVerifies(base)
+    recording = CountingBackend(base)
     runner = Runner(recording, lookup="off")
     runner.step_costs = STEEP
     runner.generate([torch.tensor(PROMPTS[0])], max_new_tokens=20, block_size=4, end_id=-1, temperature=1.0,
                     random_seed=3)
-    assert set(recording.rows) == {4}
+    assert set(verify_widths(recording)) == {4}
 
 
 def test_unknown_verify_length_is_refused(tiny):
