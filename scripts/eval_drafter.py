@@ -99,6 +99,7 @@ def eval_t1(runner, tokenizer, rows, block_sizes, n_prompts, max_new_tokens, che
             "prompts": [row["id"] for row in chosen]}
 
 
+@torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", type=Path, required=True)
@@ -120,7 +121,6 @@ def main() -> None:
     ap.add_argument("--answers-dir", type=Path, default=Path("runs/answers"))
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
     from transformers import AutoTokenizer
 
     target_dir = args.target or smollm2_dir()

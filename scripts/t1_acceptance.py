@@ -25,6 +25,17 @@ is conditioned on the true prefix: on the target's own draws (`--answers`) that 
 token any lossless tree commits, so the rates say what a tree would keep, before its extra verify rows.
 The same flag reports the deterministic tree: the M most likely ids of `q` as candidates, kept when the
 target's own draw is one of them (`--temperature 0.01` approximates greedy decoding's).
+
+`--step-costs STEPS.json` (a `scripts/bench_steps.py --json` file) prices shorter verifies of drafts drawn from
+`q` at the request's temperature: for each block size, verifying the whole block, verifying the rows
+`runtime.policy.verify_rows` picks from each slot's largest `q` (what greedy requests use, with their
+confidence replaced by `q`'s top probability), and from the measured acceptances themselves (an oracle of the
+expected tokens, the best any rule that reads the drafter alone could do). A step of r rows is expected to commit
+`1 + sum_{j<r} prod_{i<=j} a_i` tokens and costs `verify_ms(r)` plus the drafter call; modelled speed is
+expected tokens over expected ms, against the table's one-row plain step.
+
+    python scripts/t1_acceptance.py --temperature 1 --answers draws-t1.jsonl --per-set 120 --anchors 1000 \
+        --draft-temperatures 1 --step-costs steps.json
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from blockpilot.assets import default_drafter_dir
 from blockpilot.assets.smollm2 import smollm2_dir
 from blockpilot.models.checkpoint import load_drafter, load_target
 from blockpilot.models.decoder import KVCache
+from blockpilot.runtime.policy import verify_rows
 from blockpilot.text import load_tokenizer
 from blockpilot.training.data import read_answer_rows, tokenize_rows
 from blockpilot.training.features import extract_taps
@@ -93,6 +105,30 @@ def top_candidates_acceptance(p: torch.Tensor, q: torch.Tensor, m: int) -> torch
     return p.double().gather(-1, top).cumsum(-1)
 
 
+def verify_length_speeds(acceptance: torch.Tensor, top_q: torch.Tensor, costs: dict, block_sizes) -> dict:
+    """Modelled speed against the one-row plain step of three verify-length rules at each block size (see the
+    module docstring). `acceptance` and `top_q` `(A, S)`: each anchor's slot acceptances and `q`'s top
+    probabilities; `costs`: {"verify": {K: ms}, "draft": {K: ms}, "plain": ms}."""
+    verify_ms = costs["verify"].__getitem__
+    out = {}
+    for b in block_sizes:
+        if b - 1 > acceptance.shape[1]:
+            continue
+        a = acceptance[:, : b - 1].double()
+        expected = torch.cat((torch.ones(len(a), 1, dtype=a.dtype), 1 + a.cumprod(1).cumsum(1)), 1)  # (A, b): r rows
+        fixed = costs["draft"][b]
+        rules = {"full": [b] * len(a),
+                 "adaptive on top q": [verify_rows(c, verify_ms, fixed) for c in top_q[:, : b - 1].tolist()],
+                 "oracle of expected tokens": [verify_rows(c, verify_ms, fixed) for c in a.tolist()]}
+        out[b] = {}
+        for name, rows in rules.items():
+            tokens = sum(float(expected[i, r - 1]) for i, r in enumerate(rows))
+            ms = sum(verify_ms(r) + fixed for r in rows)
+            out[b][name] = {"speed_vs_plain": round(tokens / ms * costs["plain"], 4),
+                            "mean_rows": round(sum(rows) / len(rows), 3)}
+    return out
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,6 +145,7 @@ def main() -> None:
                          "(a draft tree; see above)")
     ap.add_argument("--mc-draws", type=int, default=32, help="Monte Carlo draws for candidates without replacement")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--step-costs", type=Path, help="bench_steps.py --json output: model verify lengths (above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target_dir = smollm2_dir()
@@ -123,6 +160,7 @@ def main() -> None:
     bsz, temps = drafter.config.block_size, [float(t) for t in args.draft_temperatures.split(",")]
     head = DraftHead.of(drafter, target.lm_head.weight)
     generator = torch.Generator().manual_seed(0)
+    top_q: list[torch.Tensor] = []  # q's top probability at each slot, at the request's temperature
     accept: dict[str, list[torch.Tensor]] = {"match (greedy draft)": [], **{f"reject, q at {t:g}": [] for t in temps},
                                              "max p (best deterministic draft)": []}
     trees: dict[str, list[torch.Tensor]] = {"with replacement": [], "without replacement": [],
@@ -145,6 +183,7 @@ def main() -> None:
         accept["max p (best deterministic draft)"].append(p.max(-1).values)
         for t in temps:
             accept[f"reject, q at {t:g}"].append(torch.minimum(p_draft, torch.softmax(z / t, -1)).sum(-1))
+        top_q.append(torch.softmax(z / args.temperature, -1).max(-1).values)
         if args.candidates > 1:  # q over all V ids (zero off the draft vocabulary), at the request's temperature
             q_full = torch.softmax(z / args.temperature, -1)
             if head.vocab_ids is not None:
@@ -162,6 +201,12 @@ def main() -> None:
         tau = 1 + a.cumprod(1).sum(1).mean()
         print(json.dumps({"scheme": name, "slot_acceptance": [round(float(x), 3) for x in a.mean(0)[:3]],
                           "approx_tau": round(float(tau), 3)}))
+    if args.step_costs and 1.0 in temps:
+        from lookup_replay import read_step_costs
+
+        speeds = verify_length_speeds(torch.cat(accept["reject, q at 1"]), torch.cat(top_q),
+                                      read_step_costs(args.step_costs), range(2, bsz + 1))
+        print(json.dumps({"verify_lengths (drafts drawn from q at T)": speeds}))
     for name, parts in trees.items():
         if parts:
             a = torch.cat(parts).mean(0)  # (TREE_SLOTS, M): slot k's acceptance with 1..M candidates

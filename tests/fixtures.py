@@ -145,6 +145,10 @@ class CountingBackend:
         self.calls.append(("draft", last_tokens.shape[0], block_size))
         return self.inner.draft(state, last_tokens, new_taps, ctx_start, block_start, block_size, new_counts, **kwargs)
 
+    def count(self, kind: str) -> int:
+        """Calls of `kind` ("draft" or "verify") recorded so far."""
+        return sum(call[0] == kind for call in self.calls)
+
     def verify(self, state, block_ids, start):
         self.calls.append(("verify", block_ids.shape[0], block_ids.shape[1]))
         return self.inner.verify(state, block_ids, start)

@@ -8,7 +8,7 @@ import torch
 from blockpilot.runtime.lookup import PromptLookup
 from blockpilot.runtime.runner import Runner
 
-from fixtures import make_drafter, make_hf_target
+from fixtures import CountingBackend, make_drafter, make_hf_target
 
 
 def brute_force_proposal(tokens, count, min_ngram=3, max_ngram=4):
@@ -77,23 +77,9 @@ def tiny(tmp_path_factory):
     return target, make_drafter(tmp, target, block_size=8)
 
 
-class CountingDrafts:
-    """Wraps a backend and counts its drafter calls."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def draft(self, *args, **kwargs):
-        self.calls += 1
-        return self.inner.draft(*args, **kwargs)
-
-
 def test_greedy_output_with_lookup_equals_plain_decoding_and_skips_drafter_calls(tiny):
     plain = Runner.from_dir(tiny[0], drafter_dir=tiny[1])
-    counting = CountingDrafts(plain.backend)
+    counting = CountingBackend(plain.backend)
     runner = Runner(counting)
     assert runner.lookup == "greedy"
     n = 40
@@ -104,15 +90,15 @@ def test_greedy_output_with_lookup_equals_plain_decoding_and_skips_drafter_calls
             out = runner.generate([torch.tensor(ids)], max_new_tokens=n, block_size=k, end_id=-1, return_dict=True)
             assert torch.equal(out["output_ids"], expected), (ids, k)
             steps += len(out["accept_lengths"][0])
-    assert 0 < counting.calls < steps  # some steps copied their drafts instead of calling the drafter
+    assert 0 < counting.count("draft") < steps  # some steps copied their drafts instead of calling the drafter
 
 
 def test_lookup_off_calls_the_drafter_every_step(tiny):
-    counting = CountingDrafts(Runner.from_dir(tiny[0], drafter_dir=tiny[1]).backend)
+    counting = CountingBackend(Runner.from_dir(tiny[0], drafter_dir=tiny[1]).backend)
     runner = Runner(counting, lookup="off")
     out = runner.generate([torch.tensor(REPEATING[0])], max_new_tokens=30, block_size=4, end_id=-1,
                           return_dict=True)
-    assert counting.calls == len(out["accept_lengths"][0]) == out["drafter_calls"][0]
+    assert counting.count("draft") == len(out["accept_lengths"][0]) == out["drafter_calls"][0]
 
 
 def test_batched_requests_with_lookup_equal_their_single_outputs(tiny):
@@ -193,7 +179,7 @@ def test_replay_with_lookup_gives_the_runtimes_steps_and_drafter_calls(tiny):
     from blockpilot.models.checkpoint import load_drafter, load_target
     from blockpilot.training.evaluate import replay_runs, sequence_taps
 
-    counting = CountingDrafts(Runner.from_dir(tiny[0], drafter_dir=tiny[1]).backend)
+    counting = CountingBackend(Runner.from_dir(tiny[0], drafter_dir=tiny[1]).backend)
     runner = Runner(counting)
     target, drafter = load_target(tiny[0]), load_drafter(tiny[1])
     n, copied = 30, 0
@@ -203,10 +189,10 @@ def test_replay_with_lookup_gives_the_runtimes_steps_and_drafter_calls(tiny):
         sizes = (2, 3, 6)
         runs = replay_runs(target, drafter, long, len(ids), sizes, taps, stop_at=len(ids) + n - 1, lookup=True)
         for b, run in zip(sizes, runs):
-            counting.calls = 0
+            counting.calls.clear()
             out = runner.generate([torch.tensor(ids)], max_new_tokens=n, block_size=b, end_id=-1, return_dict=True)
             assert run.steps == out["accept_lengths"][0], (ids, b)
-            assert run.drafted == counting.calls == out["drafter_calls"][0], (ids, b)  # as the result reports
+            assert run.drafted == counting.count("draft") == out["drafter_calls"][0], (ids, b)  # as the result reports
             copied += len(run.steps) - run.drafted
     assert copied  # some steps copied their drafts
 
@@ -274,11 +260,11 @@ def test_copies_that_are_always_wrong_leave_outputs_unchanged_and_the_drafter_on
     context before the request joins a batch group)."""
     plain = Runner.from_dir(tiny[0], drafter_dir=tiny[1])
     monkeypatch.setattr(PromptLookup, "propose", lambda self, count: [0] * count)
-    counting = CountingDrafts(plain.backend)
+    counting = CountingBackend(plain.backend)
     runner = Runner(counting)
     prompts = [torch.tensor(ids) for ids in REPEATING]
     expected = [plain.generate([ids], max_new_tokens=20, block_size=1, end_id=-1) for ids in prompts]
     together = runner.generate(prompts, max_new_tokens=20, block_size=4, end_id=-1, return_dict=True)
     for i, alone in enumerate(expected):
         assert together["output_ids"][i, 0, : alone.shape[-1]].tolist() == alone[0, 0].tolist()
-    assert counting.calls == len(prompts)
+    assert counting.count("draft") == len(prompts)

@@ -82,3 +82,17 @@ def test_without_replacement_stops_when_q_has_no_ids_left(script):
     p, q = torch.tensor([[0.5, 0.5]], dtype=torch.float64), torch.tensor([[1.0, 0.0]], dtype=torch.float64)
     kept = script.without_replacement_acceptance(p, q, 2, draws=200, generator=torch.Generator().manual_seed(0))[0]
     assert abs(float(kept[0]) - 0.5) < 0.12 and float(kept[1]) == float(kept[0])
+
+
+def test_verify_length_model_prices_rows_and_picks_what_pays(script):
+    costs = {"verify": {1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}, "draft": {2: 1.0, 3: 1.0, 4: 1.0}, "plain": 10.0}
+    sure = torch.ones(3, 3, dtype=torch.float64)  # every draft survives
+    never = torch.zeros(3, 3, dtype=torch.float64)  # none does
+    speeds = script.verify_length_speeds(sure, sure, costs, [2, 4])
+    assert speeds[4]["full"] == {"speed_vs_plain": round(4 / 14 * 10, 4), "mean_rows": 4.0}
+    assert speeds[4]["oracle of expected tokens"] == speeds[4]["full"]  # all rows pay when all drafts survive
+    assert speeds[2]["full"]["speed_vs_plain"] == round(2 / 12 * 10, 4)
+    speeds = script.verify_length_speeds(never, sure, costs, [4])  # q sure of itself, the target never agrees
+    assert speeds[4]["oracle of expected tokens"] == {"speed_vs_plain": round(1 / 11 * 10, 4), "mean_rows": 1.0}
+    assert speeds[4]["adaptive on top q"]["mean_rows"] == 4.0  # the rule trusts q and pays for rows that fail
+    assert speeds[4]["adaptive on top q"]["speed_vs_plain"] < speeds[4]["oracle of expected tokens"]["speed_vs_plain"]
