@@ -9,9 +9,9 @@
 #                                             # 100 CHAMP math problems; the target's greedy answers are in data/)
 #                                             # at T = 0, and on answers the target draws at T = 1 for the first
 #                                             # 100 of each (`blockpilot answer --temperature`); the predictor
-#                                             # takes the request's temperature as an input; the T = 0 labels
-#                                             # copy drafts by lookup where the runtime does (`label --lookup
-#                                             # greedy`, the default) and price those steps without a drafter call
+#                                             # takes the request's temperature as an input; the labels copy
+#                                             # drafts by lookup where the runtime does (`label --lookup all`,
+#                                             # the default) and price those steps without a drafter call
 #   LIMIT=64 scripts/make_predictor.sh        # fewer prompts (the dataset resumes: rerun to add more)
 #   SAMPLED= scripts/make_predictor.sh        # T = 0 labels only (a predictor without the temperature input)
 #   SETS_ONLY=1 scripts/make_predictor.sh     # only write the five prompt sets to $RUNS and stop (seconds; what

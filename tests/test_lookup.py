@@ -81,7 +81,7 @@ def test_greedy_output_with_lookup_equals_plain_decoding_and_skips_drafter_calls
     plain = Runner.from_dir(tiny[0], drafter_dir=tiny[1])
     counting = CountingBackend(plain.backend)
     runner = Runner(counting)
-    assert runner.lookup == "greedy"
+    assert runner.lookup == "all"
     n = 40
     steps = 0
     for ids in REPEATING:

@@ -144,7 +144,7 @@ def add_dtype_arg(parser, help_text: str, default: str | None = "fp32") -> None:
 
 
 LOOKUP_HELP = ("which requests copy their draft from the context where its last tokens occurred before, instead "
-               "of calling the drafter (prompt lookup; lossless): greedy (default: T = 0 requests), all, off")
+               "of calling the drafter (prompt lookup; lossless): all (default), greedy (T = 0 requests only), off")
 
 
 LOOKUPS = ("greedy", "all", "off")  # runtime.runner.LOOKUPS, kept here so --help needs no torch
@@ -178,11 +178,11 @@ def parse_choices(text: str, choices: tuple[str, ...], what: str) -> list[str]:
 def add_lookup_arg(parser, many: bool = False) -> None:
     """`--lookup` (`Runner.lookup`); with `many` (profile) a comma list, one system per value."""
     if many:
-        parser.add_argument("--lookup", type=argument_type(parse_lookups), default=["greedy"], metavar="LIST",
+        parser.add_argument("--lookup", type=argument_type(parse_lookups), default=["all"], metavar="LIST",
                             help=LOOKUP_HELP + "; a comma list (e.g. greedy,off) profiles each block size once per "
                             "value, the systems of later values named with a -lookup-VALUE suffix")
     else:
-        parser.add_argument("--lookup", choices=LOOKUPS, default="greedy", help=LOOKUP_HELP)
+        parser.add_argument("--lookup", choices=LOOKUPS, default="all", help=LOOKUP_HELP)
 
 
 def add_verify_length_arg(parser, many: bool = False) -> None:

@@ -52,7 +52,7 @@ class LabelJob:
     note: str = ""  # free text kept in meta.json (e.g. where the prompts come from)
     step_costs: Path | None = None  # engine dir (its manifest's table) or StepCosts JSON; None: measure here
     sampled_drafts: bool = True  # T > 0: drafts drawn from the drafter, rejection sampling (False: greedy drafts)
-    lookup: str = "greedy"  # which requests copy drafts by lookup, as `Runner.lookup` (the labels decode alike)
+    lookup: str = "all"  # which requests copy drafts by lookup, as `Runner.lookup` (the labels decode alike)
 
 
 def default_candidates(b_train: int, radius: int = 2) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ class ProfileOptions:
     baselines: list[str] = dataclasses.field(default_factory=lambda: ["ar"])
     candidates: list[int] | None = None
     oracle_by: str = "tau"
-    lookups: list[str] = dataclasses.field(default_factory=lambda: ["greedy"])
+    lookups: list[str] = dataclasses.field(default_factory=lambda: ["all"])
     verify_lengths: list[str] = dataclasses.field(default_factory=lambda: ["adaptive"])
     limit: int | None = None
     max_new_tokens: int = 128

@@ -130,7 +130,8 @@ class Runner:
             rejection sampling). Both are lossless; see `runtime.sampling`.
         lookup: which requests draft by lookup (`runtime.lookup`: a copy of what followed the last
             time the context ended the same way, used instead of the drafter's block where one exists):
-            "greedy" (default: T = 0 requests), "all", or "off". Lossless in every case.
+            "all" (default), "greedy" (T = 0 requests only), or "off". Lossless in every case (at T > 0 a
+            copied draft is deterministic and judged by "sample, then match").
         verify_length: "adaptive" (default): a greedy request's step verifies only the leading drafts that
             pay for their target rows, by the drafter's confidence and the step-cost table of the engine
             directory (else of the predictor; `policy.verify_rows`); "full": every row of the block. Lossless
@@ -140,7 +141,7 @@ class Runner:
 
     def __init__(self, backend: Backend, *, policy=None, default_block_size: int | None = None,
                  end_id: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 sampled_drafts: bool = True, verification: str = "block", lookup: str = "greedy",
+                 sampled_drafts: bool = True, verification: str = "block", lookup: str = "all",
                  verify_length: str = "adaptive"):
         self.backend = backend
         self.sampled_drafts = sampled_drafts
