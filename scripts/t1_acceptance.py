@@ -51,7 +51,7 @@ from blockpilot.assets import default_drafter_dir
 from blockpilot.assets.smollm2 import smollm2_dir
 from blockpilot.models.checkpoint import load_drafter, load_target
 from blockpilot.models.decoder import KVCache
-from blockpilot.runtime.policy import verify_rows
+from blockpilot.runtime.policy import top_probability, verify_rows
 from blockpilot.text import load_tokenizer
 from blockpilot.training.data import read_answer_rows, tokenize_rows
 from blockpilot.training.features import extract_taps
@@ -183,7 +183,7 @@ def main() -> None:
         accept["max p (best deterministic draft)"].append(p.max(-1).values)
         for t in temps:
             accept[f"reject, q at {t:g}"].append(torch.minimum(p_draft, torch.softmax(z / t, -1)).sum(-1))
-        top_q.append(torch.softmax(z / args.temperature, -1).max(-1).values)
+        top_q.append(top_probability(z / args.temperature))
         if args.candidates > 1:  # q over all V ids (zero off the draft vocabulary), at the request's temperature
             q_full = torch.softmax(z / args.temperature, -1)
             if head.vocab_ids is not None:
