@@ -19,6 +19,7 @@ import dataclasses
 from pathlib import Path
 
 from blockpilot.errors import UserError
+from blockpilot.runtime.lookup import DEFAULT_LOOKUP, LOOKUPS  # torch-free, so --help needs no torch
 
 DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -147,7 +148,6 @@ LOOKUP_HELP = ("which requests copy their draft from the context where its last 
                "of calling the drafter (prompt lookup; lossless): all (default), greedy (T = 0 requests only), off")
 
 
-LOOKUPS = ("greedy", "all", "off")  # runtime.runner.LOOKUPS, kept here so --help needs no torch
 
 
 def comma_list(text: str) -> list[str]:
@@ -178,11 +178,11 @@ def parse_choices(text: str, choices: tuple[str, ...], what: str) -> list[str]:
 def add_lookup_arg(parser, many: bool = False) -> None:
     """`--lookup` (`Runner.lookup`); with `many` (profile) a comma list, one system per value."""
     if many:
-        parser.add_argument("--lookup", type=argument_type(parse_lookups), default=["all"], metavar="LIST",
+        parser.add_argument("--lookup", type=argument_type(parse_lookups), default=[DEFAULT_LOOKUP], metavar="LIST",
                             help=LOOKUP_HELP + "; a comma list (e.g. greedy,off) profiles each block size once per "
                             "value, the systems of later values named with a -lookup-VALUE suffix")
     else:
-        parser.add_argument("--lookup", choices=LOOKUPS, default="all", help=LOOKUP_HELP)
+        parser.add_argument("--lookup", choices=LOOKUPS, default=DEFAULT_LOOKUP, help=LOOKUP_HELP)
 
 
 def add_verify_length_arg(parser, many: bool = False) -> None:

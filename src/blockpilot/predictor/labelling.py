@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from blockpilot.errors import UserError
+from blockpilot.runtime.lookup import DEFAULT_LOOKUP
 from blockpilot.runtime.sampling import SamplingParams
 from blockpilot.text import load_tokenizer
 from blockpilot.predictor.labels import LABEL_FORMAT, LABEL_VERSION, LabelSettings, label_prompts, prepare_dataset_dir
@@ -52,7 +53,7 @@ class LabelJob:
     note: str = ""  # free text kept in meta.json (e.g. where the prompts come from)
     step_costs: Path | None = None  # engine dir (its manifest's table) or StepCosts JSON; None: measure here
     sampled_drafts: bool = True  # T > 0: drafts drawn from the drafter, rejection sampling (False: greedy drafts)
-    lookup: str = "all"  # which requests copy drafts by lookup, as `Runner.lookup` (the labels decode alike)
+    lookup: str = DEFAULT_LOOKUP  # which requests copy drafts by lookup, as `Runner.lookup` (the labels decode alike)
 
 
 def default_candidates(b_train: int, radius: int = 2) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from blockpilot.errors import UserError
+from blockpilot.runtime.lookup import DEFAULT_LOOKUP
 from blockpilot.profiling.measure import REFERENCE, Plan, greedy_mismatches, oracle_rows, run_plan
 from blockpilot.profiling.systems import Models, ModelSources, RunnerSystem, System, SystemRegistry, default_registry
 
@@ -48,7 +49,7 @@ class ProfileOptions:
     baselines: list[str] = dataclasses.field(default_factory=lambda: ["ar"])
     candidates: list[int] | None = None
     oracle_by: str = "tau"
-    lookups: list[str] = dataclasses.field(default_factory=lambda: ["all"])
+    lookups: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_LOOKUP])
     verify_lengths: list[str] = dataclasses.field(default_factory=lambda: ["adaptive"])
     limit: int | None = None
     max_new_tokens: int = 128

@@ -26,9 +26,9 @@ import torch
 
 from blockpilot.errors import UserError
 from blockpilot.runtime.backend import Backend
+from blockpilot.runtime.lookup import DEFAULT_LOOKUP, LOOKUPS
 from blockpilot.runtime.sampling import VERIFICATIONS, SamplingParams
 
-LOOKUPS = ("greedy", "all", "off")  # which requests may copy drafts by lookup (`runtime.lookup`)
 VERIFY_LENGTHS = ("adaptive", "full")  # how many rows of a drafted block a step verifies (`Runner.verify_length`)
 
 
@@ -141,7 +141,7 @@ class Runner:
 
     def __init__(self, backend: Backend, *, policy=None, default_block_size: int | None = None,
                  end_id: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 sampled_drafts: bool = True, verification: str = "block", lookup: str = "all",
+                 sampled_drafts: bool = True, verification: str = "block", lookup: str = DEFAULT_LOOKUP,
                  verify_length: str = "adaptive"):
         self.backend = backend
         self.sampled_drafts = sampled_drafts
