@@ -183,3 +183,22 @@ def test_plain_decoding_runners_load_no_predictor_even_one_for_another_drafter(e
     out = main(["answer", "--engine-dir", str(engine), "--prompts", str(_prompts_file(tmp_path, PROMPTS[:2])),
                 "--out", str(tmp_path / "a.jsonl"), "--max-new-tokens", "4"])
     assert out == 0 and len(_rows(tmp_path / "a.jsonl")) == 2
+
+
+def test_prompts_start_shortest_first_within_each_window_of_the_list(engine, tmp_path, monkeypatch):
+    """A batch's cache is as long as its longest member needs; prompts of similar length start together,
+    while the list's order holds from window to window (a time-budgeted run answers a prefix of it)."""
+    from transformers import AutoTokenizer
+
+    from blockpilot.runtime.runner import Runner
+    from blockpilot.training import data
+
+    monkeypatch.setattr(data, "LENGTH_WINDOW_BATCHES", 2)  # batch size 1: windows of 2 prompts
+    tokenizer = AutoTokenizer.from_pretrained(engine)
+    runner = Runner.from_engine_dir(engine, backend="onnxruntime", use_predictor=False)
+    prompts = ["the cat sat on the mat", "ok", "what is 2 plus 2", "x y", "hi"]
+    out = tmp_path / "answers.jsonl"
+    data.answer_with_runner(runner, tokenizer, prompts, max_new_tokens=3, batch_size=1, out_path=out,
+                            sources=["chat"] * len(prompts))
+    assert [r["prompt"] for r in _rows(out)] == ["ok", "the cat sat on the mat", "x y", "what is 2 plus 2", "hi"]
+    assert data.by_length_in_windows([5, 3, 4, 1, 2], lambda n: n, 2) == [3, 5, 1, 4, 2]

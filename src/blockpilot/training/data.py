@@ -151,6 +151,24 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
     return out_path
 
 
+LENGTH_WINDOW_BATCHES = 16
+"""`answer_with_runner` starts the prompts of each run of `LENGTH_WINDOW_BATCHES` x batch size shortest first.
+
+A batch's cache holds as many positions as its longest member needs, and every step's attention reads all of
+them: on the 2-core AMD EPYC a step of 16 rows took 96 ms at 512 positions and 146 ms at 1,024 (onnxruntime
+fp32, SmolLM2). Prompts of similar length in flight together keep that capacity near what each needs (the
+package-code prompts of `scripts/package_code_prompts.py`, 55-3,180 tokens, median 141: a mean capacity of
+447 positions instead of 711 in groups of 16), while a time-budgeted run still answers a prefix of its list,
+up to one window, rather than only its shortest prompts. Answers do not depend on their batch (every row of
+a batch decodes as it would alone, `tests/test_batching.py`); only the order of the rows in the file does."""
+
+
+def by_length_in_windows(items: list, length, window: int) -> list:
+    """`items` with each consecutive run of `window` sorted by `length(item)` (stable), the runs in order."""
+    return [item for start in range(0, len(items), window)
+            for item in sorted(items[start:start + window], key=length)]
+
+
 def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens: int, batch_size: int,
                        out_path: Path, sources: list[str] | None = None,
                        time_budget_s: float | None = None, sampling=None, seed: int = 0,
@@ -160,7 +178,8 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
     The fast path on the CPU: an onnxruntime engine directory's target decodes up to `batch_size`
     answers in every step, and a finished answer leaves the batch at once and is appended to
     `out_path` as one complete line (so an interruption loses only the answers in flight, and a
-    rerun skips every prompt already there). With `time_budget_s`, no new prompt starts once the
+    rerun skips every prompt already there). Prompts start shortest first within windows of the list
+    (`LENGTH_WINDOW_BATCHES`). With `time_budget_s`, no new prompt starts once the
     budget is spent; those in flight finish. Rows as `regenerate_answers` writes them. A prompt the
     decoder refuses (too long for the engine's cache) is skipped with a count at the end.
 
@@ -177,6 +196,7 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
     began = time.perf_counter()
     todo = [(p, source, h, chat_prompt_ids(tokenizer, p, history=h))  # encoded first: a bad prompt writes nothing
             for p, source, h in _todo(prompts, sources, histories, _answered_prompts(out_path))]
+    todo = by_length_in_windows(todo, lambda item: len(item[3]), batch_size * LENGTH_WINDOW_BATCHES)
     end_id = runner.end_id if runner.end_id is not None else tokenizer.eos_token_id
     decoder = BatchDecoder(runner, max_batch=batch_size)
     in_flight: dict[int, tuple] = {}
