@@ -19,7 +19,7 @@ import dataclasses
 from pathlib import Path
 
 from blockpilot.errors import UserError
-from blockpilot.runtime.lookup import DEFAULT_LOOKUP, LOOKUPS  # torch-free, so --help needs no torch
+from blockpilot.runtime.settings import DEFAULT_LOOKUP, DEFAULT_VERIFY_LENGTH, LOOKUPS, VERIFY_LENGTHS  # torch-free
 
 DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -148,8 +148,6 @@ LOOKUP_HELP = ("which requests copy their draft from the context where its last 
                "of calling the drafter (prompt lookup; lossless): all (default), greedy (T = 0 requests only), off")
 
 
-
-
 def comma_list(text: str) -> list[str]:
     """`"a, b,,c"` -> ["a", "b", "c"]."""
     return [part.strip() for part in text.split(",") if part.strip()]
@@ -163,7 +161,6 @@ def parse_lookups(text: str) -> list[str]:
 VERIFY_LENGTH_HELP = ("how many rows of a greedy request's drafted block a step verifies (lossless either way): "
                       "adaptive (default: the leading drafts the drafter is sure enough of to pay for their rows, "
                       "priced by the engine dir's or the predictor's step-cost table), full (every row)")
-VERIFY_LENGTHS = ("adaptive", "full")  # runtime.runner.VERIFY_LENGTHS
 
 
 def parse_choices(text: str, choices: tuple[str, ...], what: str) -> list[str]:
@@ -189,11 +186,11 @@ def add_verify_length_arg(parser, many: bool = False) -> None:
     """`--verify-length` (`Runner.verify_length`); with `many` (profile) a comma list, one system per value."""
     if many:
         parser.add_argument("--verify-length", type=argument_type(
-            lambda text: parse_choices(text, VERIFY_LENGTHS, "verify length")), default=["adaptive"], metavar="LIST",
+            lambda text: parse_choices(text, VERIFY_LENGTHS, "verify length")), default=[DEFAULT_VERIFY_LENGTH], metavar="LIST",
             help=VERIFY_LENGTH_HELP + "; a comma list (e.g. adaptive,full) profiles each block size once per value, "
             "the systems of later values named with a -verify-VALUE suffix")
     else:
-        parser.add_argument("--verify-length", choices=VERIFY_LENGTHS, default="adaptive", help=VERIFY_LENGTH_HELP)
+        parser.add_argument("--verify-length", choices=VERIFY_LENGTHS, default=DEFAULT_VERIFY_LENGTH, help=VERIFY_LENGTH_HELP)
 
 
 def add_model_args(parser, *, peers: bool = False) -> None:

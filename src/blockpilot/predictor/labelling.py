@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from blockpilot.errors import UserError
-from blockpilot.runtime.lookup import DEFAULT_LOOKUP
+from blockpilot.runtime.settings import DEFAULT_LOOKUP
 from blockpilot.runtime.sampling import SamplingParams
 from blockpilot.text import load_tokenizer
 from blockpilot.predictor.labels import LABEL_FORMAT, LABEL_VERSION, LabelSettings, label_prompts, prepare_dataset_dir

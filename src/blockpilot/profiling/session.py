@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from blockpilot.errors import UserError
-from blockpilot.runtime.lookup import DEFAULT_LOOKUP
+from blockpilot.runtime.settings import DEFAULT_LOOKUP, DEFAULT_VERIFY_LENGTH
 from blockpilot.profiling.measure import REFERENCE, Plan, greedy_mismatches, oracle_rows, run_plan
 from blockpilot.profiling.systems import Models, ModelSources, RunnerSystem, System, SystemRegistry, default_registry
 
@@ -50,7 +50,7 @@ class ProfileOptions:
     candidates: list[int] | None = None
     oracle_by: str = "tau"
     lookups: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_LOOKUP])
-    verify_lengths: list[str] = dataclasses.field(default_factory=lambda: ["adaptive"])
+    verify_lengths: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_VERIFY_LENGTH])
     limit: int | None = None
     max_new_tokens: int = 128
     warmup: int = 1

@@ -19,8 +19,6 @@ drafter's call.
 
 from __future__ import annotations
 
-LOOKUPS = ("greedy", "all", "off")  # which requests may copy drafts: every one, T = 0 only, none
-DEFAULT_LOOKUP = "all"  # `Runner.lookup`, `--lookup`, `profile` and `label` alike (session 39: +2.6% at T = 1)
 MIN_NGRAM = 3  # 2-token matches copy too often where the drafter knows better (replay above)
 MAX_NGRAM = 4  # the longest match is tried first
 

@@ -26,10 +26,9 @@ import torch
 
 from blockpilot.errors import UserError
 from blockpilot.runtime.backend import Backend
-from blockpilot.runtime.lookup import DEFAULT_LOOKUP, LOOKUPS
+from blockpilot.runtime.settings import DEFAULT_LOOKUP, DEFAULT_VERIFY_LENGTH, LOOKUPS, VERIFY_LENGTHS
 from blockpilot.runtime.sampling import VERIFICATIONS, SamplingParams
 
-VERIFY_LENGTHS = ("adaptive", "full")  # how many rows of a drafted block a step verifies (`Runner.verify_length`)
 
 
 def check_lookup(which: str) -> str:
@@ -142,7 +141,7 @@ class Runner:
     def __init__(self, backend: Backend, *, policy=None, default_block_size: int | None = None,
                  end_id: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  sampled_drafts: bool = True, verification: str = "block", lookup: str = DEFAULT_LOOKUP,
-                 verify_length: str = "adaptive"):
+                 verify_length: str = DEFAULT_VERIFY_LENGTH):
         self.backend = backend
         self.sampled_drafts = sampled_drafts
         self.verification = verification
