@@ -245,28 +245,6 @@ def test_lookup_replay_script_prices_copies_of_other_lengths(tmp_path, monkeypat
     assert report["speed_vs_plain"][f"{rule}, adaptive verify"] == report["speed_vs_plain"][rule]
 
 
-def test_every_entry_point_defaults_to_the_runners_lookup_setting():
-    """`generate`/`demo`/`serve` (`--lookup`), `profile` (a list), `ProfileOptions` and `label` start from
-    the setting `Runner` starts from, so a request decodes alike whichever of them made it."""
-    import argparse
-    import dataclasses
-    import inspect
-
-    from blockpilot.commands import common
-    from blockpilot.predictor.labelling import LabelJob
-    from blockpilot.profiling.session import ProfileOptions
-
-    runner_default = inspect.signature(Runner.__init__).parameters["lookup"].default
-    one, many = argparse.ArgumentParser(), argparse.ArgumentParser()
-    common.add_lookup_arg(one)
-    common.add_lookup_arg(many, many=True)
-    assert one.parse_args([]).lookup == runner_default
-    assert many.parse_args([]).lookup == [runner_default]
-    assert [f.default_factory() for f in dataclasses.fields(ProfileOptions) if f.name == "lookups"] == [[runner_default]]
-    assert [f.default for f in dataclasses.fields(LabelJob) if f.name == "lookup"] == [runner_default]
-    assert common.parse_lookups("off, greedy,off") == ["off", "greedy"]
-
-
 def test_copies_that_are_always_wrong_leave_outputs_unchanged_and_the_drafter_only_drafts_first_blocks(
         tiny, monkeypatch):
     """With a lookup that always proposes the same wrong tokens, every step copies: outputs still equal

@@ -111,23 +111,3 @@ def test_sampled_requests_verify_whole_blocks(tiny):
 def test_unknown_verify_length_is_refused(tiny):
     with pytest.raises(UserError, match="unknown verify length 'sometimes'"):
         Runner(Runner.from_dir(tiny[0], drafter_dir=tiny[1]).backend, verify_length="sometimes")
-
-
-def test_every_entry_point_defaults_to_the_runners_verify_length():
-    """`generate`/`demo`/`serve` (`--verify-length`), `profile` (a list) and `ProfileOptions` start from the
-    verify length `Runner` starts from."""
-    import argparse
-    import dataclasses
-    import inspect
-
-    from blockpilot.commands import common
-    from blockpilot.profiling.session import ProfileOptions
-
-    runner_default = inspect.signature(Runner.__init__).parameters["verify_length"].default
-    one, many = argparse.ArgumentParser(), argparse.ArgumentParser()
-    common.add_verify_length_arg(one)
-    common.add_verify_length_arg(many, many=True)
-    assert one.parse_args([]).verify_length == runner_default
-    assert many.parse_args([]).verify_length == [runner_default]
-    assert [f.default_factory() for f in dataclasses.fields(ProfileOptions)
-            if f.name == "verify_lengths"] == [[runner_default]]

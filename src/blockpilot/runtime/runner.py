@@ -30,7 +30,6 @@ from blockpilot.runtime.settings import DEFAULT_LOOKUP, DEFAULT_VERIFY_LENGTH, L
 from blockpilot.runtime.sampling import VERIFICATIONS, SamplingParams
 
 
-
 def check_lookup(which: str) -> str:
     """`which` if it is one of `LOOKUPS`, else a `UserError` naming them."""
     if which not in LOOKUPS:
