@@ -8,8 +8,8 @@ drafter's files (its weights and configs; not its model card) and the predictor'
 and `EXPORT_VERSION`. Any change to one of them gives another key, so a new package version with a
 new drafter, predictor or export builds a new directory; stale ones are removed after the new one is
 in place. The build itself is atomic (`build_engine_dir` writes a sibling directory and renames it);
-opening the directory checks its manifest and every file's SHA-256, and a cached directory that fails
-is discarded and rebuilt.
+opening the directory checks its manifest and every file's SHA-256 (remembered while a file is unchanged:
+`files.remembered_digest`), and a cached directory that fails is discarded and rebuilt.
 """
 
 from __future__ import annotations

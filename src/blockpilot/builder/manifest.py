@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from blockpilot.errors import UserError
-from blockpilot.files import file_sha256
+from blockpilot.files import file_sha256, remembered_file_sha256
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "blockpilot-engine"
@@ -283,11 +283,12 @@ def read_manifest(engine_dir: Path | str, verify_files: bool = True) -> Manifest
 
 
 def verify_manifest_files(engine_dir: Path, manifest: Manifest) -> None:
-    """Raise `UserError` for the first listed file that is missing or whose SHA-256 differs."""
+    """Raise `UserError` for the first listed file that is missing or whose SHA-256 differs (each file is
+    hashed again whenever it changed since it last passed: `files.remembered_digest`)."""
     for relative, expected in sorted(manifest.files.items()):
         path = engine_dir / relative
         if not path.is_file():
             raise UserError(f"engine directory {engine_dir} is missing {relative}; rebuild it with `blockpilot build`")
-        if file_sha256(path) != expected:
+        if remembered_file_sha256(path) != expected:
             raise UserError(f"{path} does not match the SHA-256 in {MANIFEST_NAME} (modified or corrupt); "
                             "rebuild the engine directory with `blockpilot build`")

@@ -11,6 +11,8 @@ are exactly as large as it needs. Graph contracts: `blockpilot.builder.export`.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +36,13 @@ def numpy_float_type(dtype: str):
     return NUMPY_DTYPES[dtype]
 
 
-def make_session(path: Path, threads: int | None = None):
-    """An onnxruntime CPU session for `path` on the process-wide thread pool (`ort_session`)."""
-    import onnxruntime as ort
-
-    from blockpilot.runtime.ort_session import session_options
+def make_session(path: Path, threads: int | None = None, source_digest: str | None = None):
+    """An onnxruntime CPU session for `path` on the process-wide thread pool (`ort_session.open_session`:
+    from a cached optimized copy when `source_digest`, a digest of the checked files it reads, is given)."""
+    from blockpilot.runtime.ort_session import open_session
 
     try:
-        return ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+        return open_session(path, threads, source_digest)
     except Exception as exc:  # onnxruntime raises its own exception types for graphs it cannot run
         raise UserError(f"onnxruntime cannot load {path} ({str(exc).splitlines()[0][:200]}); rebuild the engine "
                         "directory with `blockpilot build --dtype fp32` for the onnxruntime backend") from None
@@ -135,7 +136,10 @@ class OnnxBackend:
         numpy_float_type(manifest.dtype)
         in_place = manifest.opset >= 24
         drafter_file = manifest.ort_drafter or manifest.drafter.onnx  # same I/O, 4-bit weights when built
-        graphs = [OnnxGraph(make_session(Path(engine_dir) / name, threads), entry, in_place, Path(engine_dir) / name)
+        # the engine dir's checked hashes, all of them: a graph's copy is reused only for the same files
+        digest = hashlib.sha256(json.dumps(manifest.files, sort_keys=True).encode()).hexdigest()
+        graphs = [OnnxGraph(make_session(Path(engine_dir) / name, threads, digest), entry, in_place,
+                            Path(engine_dir) / name)
                   for name, entry in ((manifest.target.onnx, manifest.target), (drafter_file, manifest.drafter))]
         return cls(manifest, *graphs, target_config, drafter_config,
                    read_draft_vocab_ids(Path(engine_dir) / manifest.drafter_dir))

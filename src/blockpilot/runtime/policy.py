@@ -39,7 +39,6 @@ predictor is loaded.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 from pathlib import Path
@@ -47,6 +46,7 @@ from pathlib import Path
 import torch
 
 from blockpilot.errors import UserError
+from blockpilot.files import remembered_digest
 
 FEATURE_KINDS = ("pooled", "logits")
 REVISE_MIN_STEPS = 16  # decode steps observed at a block size before `revise_block_size` may leave it
@@ -179,7 +179,7 @@ def model_files_sha256(model_dir: str | Path) -> str:
     """SHA-256 over a model directory's weights (`*.safetensors`, sorted by name, name + bytes).
 
     Only weights are hashed, so a re-saved config.json (other transformers version) keeps the hash.
-    Results are cached per (path, size, mtime) for this process.
+    Remembered across processes while the files' stat is unchanged (`files.remembered_digest`).
 
     Raises:
         UserError: the directory has no safetensors weights.
@@ -187,15 +187,13 @@ def model_files_sha256(model_dir: str | Path) -> str:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise UserError(f"{model_dir} has no *.safetensors weights to identify the model by; pass a model directory")
-    stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    return _hash_files(stats)
+    return remembered_digest("model-weights-sha256", files, lambda: _hash_files(files))
 
 
-@functools.lru_cache(maxsize=16)
-def _hash_files(stats: tuple[tuple[str, int, int], ...]) -> str:
+def _hash_files(files: list[Path]) -> str:
     digest = hashlib.sha256()
-    for path, _, _ in stats:
-        digest.update(Path(path).name.encode() + b"\0")
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
         with open(path, "rb") as stream:
             while chunk := stream.read(1 << 22):
                 digest.update(chunk)
