@@ -164,3 +164,21 @@ def _tiny_graph(path: Path, scale: float) -> Path:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])], [weight])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path
+
+
+def test_remembered_digests_of_files_that_are_gone_are_pruned(cache, tmp_path, monkeypatch):
+    from blockpilot import files
+
+    monkeypatch.setattr(files, "DIGESTS_KEPT", 3)
+    paths = [tmp_path / f"f{i}" for i in range(5)]
+    for path in paths:
+        path.write_text(path.name)
+    for path in paths[:3]:
+        remembered_digest("test", [path], lambda: "x")
+    paths[0].unlink()
+    paths[1].write_text("changed")
+    remembered_digest("test", [paths[3]], lambda: "x")  # the fourth entry: over the limit
+    assert len(list((cache / "digests").iterdir())) == 2  # paths[2] and paths[3]
+    calls = []
+    remembered_digest("test", [paths[2]], lambda: calls.append(1) or "x")
+    assert calls == []

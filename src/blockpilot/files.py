@@ -54,9 +54,28 @@ def remembered_digest(kind: str, paths: Sequence[Path], compute: Callable[[], st
     digest = compute()
     try:
         write_text_atomic(entry, json.dumps({"key": key, "digest": digest}))
+        _prune_digests(entry.parent)
     except OSError:
         pass
     return digest
+
+
+DIGESTS_KEPT = 1000
+"""Above this many remembered digests, those of files that are gone or changed are removed."""
+
+
+def _prune_digests(folder: Path) -> None:
+    entries = list(folder.iterdir())
+    if len(entries) <= DIGESTS_KEPT:
+        return
+    for entry in entries:
+        try:
+            for path, size, mtime_ns, ctime_ns, inode in json.loads(json.loads(entry.read_text())["key"])[1]:
+                st = os.stat(path)
+                if [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] != [size, mtime_ns, ctime_ns, inode]:
+                    raise ValueError(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            entry.unlink(missing_ok=True)
 
 
 def remembered_file_sha256(path: Path) -> str:
