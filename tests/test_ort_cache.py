@@ -182,3 +182,13 @@ def test_remembered_digests_of_files_that_are_gone_are_pruned(cache, tmp_path, m
     calls = []
     remembered_digest("test", [paths[2]], lambda: calls.append(1) or "x")
     assert calls == []
+
+
+def test_sessions_opened_without_cached_copies_save_none(cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(ort_session, "CACHE_MIN_BYTES", 0)
+    graph = _tiny_graph(tmp_path / "graph.onnx", 1.0)
+    with ort_session.without_cached_copies():
+        ort_session.open_session(graph, source_digest="a")
+    assert _entries(cache) == []
+    ort_session.open_session(graph, source_digest="a")
+    assert len(_entries(cache)) == 1

@@ -10,6 +10,8 @@ pool exists, so every session here goes through `session_options`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -52,6 +54,18 @@ CACHE_MIN_BYTES = 256 << 20
 """Smaller graphs open fast as they are: SmolLM2's 4-bit drafter (130 MB) in 0.09 s, 0.03 s from a copy of 149 MB."""
 CACHE_FORMAT = 1
 PROVIDERS = ["CPUExecutionProvider"]
+_uncached = contextvars.ContextVar("blockpilot_ort_uncached", default=False)
+
+
+@contextlib.contextmanager
+def without_cached_copies():
+    """Sessions opened inside open their files as they are and save no copy: for graphs about to move or
+    be deleted (a build timing its staged directory), whose copies would only be orphans."""
+    token = _uncached.set(True)
+    try:
+        yield
+    finally:
+        _uncached.reset(token)
 
 
 def open_session(path: Path, threads: int | None = None, source_digest: str | None = None):
@@ -71,14 +85,15 @@ def open_session(path: Path, threads: int | None = None, source_digest: str | No
         path: the `.onnx` file (its weights inside or in `<path>.data`).
         threads: see `session_options`.
         source_digest: a digest of every file the graph reads (the engine manifest's checked hashes);
-            None (or `BLOCKPILOT_ORT_CACHE=0`, or a graph under `CACHE_MIN_BYTES`) opens the file as it is.
+            None (or `BLOCKPILOT_ORT_CACHE=0`, a graph under `CACHE_MIN_BYTES`, or inside
+            `without_cached_copies`) opens the file as it is.
     """
     import onnxruntime as ort
 
     path = Path(path)
     data = path.with_name(path.name + ".data")
     size = path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
-    if source_digest is None or os.environ.get(CACHE_ENV, "1") == "0" or size < CACHE_MIN_BYTES:
+    if source_digest is None or os.environ.get(CACHE_ENV, "1") == "0" or size < CACHE_MIN_BYTES or _uncached.get():
         return ort.InferenceSession(str(path), session_options(threads), providers=PROVIDERS)
     from blockpilot.assets.packages import cache_dir
 

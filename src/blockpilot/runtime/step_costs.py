@@ -206,7 +206,10 @@ def measure_engine_dir(engine_dir: Path, *, context: int = DEFAULT_CONTEXT, repe
     from blockpilot.builder.manifest import read_manifest
     from blockpilot.runtime.runner import Runner
 
-    runner = Runner.from_engine_dir(engine_dir, backend=backend, use_predictor=False)  # every size is asked for
+    from blockpilot.runtime.ort_session import without_cached_copies
+
+    with without_cached_copies():  # `blockpilot build` times its staged directory, renamed afterwards
+        runner = Runner.from_engine_dir(engine_dir, backend=backend, use_predictor=False)  # every size is asked for
     sizes = read_manifest(engine_dir, verify_files=False).block_sizes if block_sizes is None else block_sizes
     ids = None
     if loop_prompts:
