@@ -339,3 +339,31 @@ def test_an_interrupted_feature_extraction_resumes_at_its_last_finished_batch(tm
     resumed, _ = features.cached_taps(tmp_path / "cache", target, sequences, layers, "k", tokens_per_batch=64)
     assert len(calls) == batches - 2
     assert all(torch.equal(a, b) for a, b in zip(expected, resumed))
+
+
+def test_features_can_be_kept_on_another_device_than_the_target_batch_by_batch(tmp_path):
+    from blockpilot.training.features import extract_features, feature_bytes
+
+    target, drafter = _tiny(tmp_path)
+    sequences, layers = _sequences(), drafter.config.target_layer_ids
+    taps, soft = extract_features(target, sequences, layers, top_k=3, tokens_per_batch=64)
+    moved, moved_soft = extract_features(target, sequences, layers, top_k=3, tokens_per_batch=64,
+                                         out_device=torch.device("meta"))
+    for want, got, want_soft, got_soft in zip(taps, moved, soft, moved_soft):
+        assert got.device.type == "meta" and got.shape == want.shape and got.dtype == want.dtype
+        assert got_soft.ids.device.type == "meta" and got_soft.logprobs.shape == want_soft.logprobs.shape
+    width = taps[0].shape[1]
+    assert feature_bytes(sequences, width, 3) == sum(t.numel() * 2 + s.ids.numel() * 8 for t, s in zip(taps, soft))
+
+
+def test_a_gpu_run_keeps_features_in_host_memory_when_they_would_take_over_half_its_free_memory():
+    from blockpilot.errors import UserError
+    from blockpilot.training.pipeline import features_device
+
+    gb = 10**9
+    assert features_device(30 * gb, 70 * gb, 120 * gb, "cuda:0") == torch.device("cuda:0")
+    assert features_device(40 * gb, 70 * gb, 120 * gb, "cuda:0") == torch.device("cpu")  # an H100 with all the data
+    assert features_device(40 * gb, None, None, "cuda") == torch.device("cuda")  # free memory unknown: as before
+    assert features_device(40 * gb, 70 * gb, None, "cuda") == torch.device("cpu")
+    with pytest.raises(UserError, match="train on fewer answers"):
+        features_device(120 * gb, 70 * gb, 120 * gb, "cuda")

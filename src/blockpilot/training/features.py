@@ -54,18 +54,27 @@ def extract_taps(target: Decoder, sequences: list[Sequence], tap_layers: tuple[i
 
 @torch.inference_mode()
 def extract_features(target: Decoder, sequences: list[Sequence], tap_layers: tuple[int, ...], *, top_k: int = 0,
-                     tokens_per_batch: int | None = None, autocast: bool = True
+                     tokens_per_batch: int | None = None, autocast: bool = True, out_device: torch.device | None = None
                      ) -> tuple[list[torch.Tensor], list[SoftLabels] | None]:
-    """Per-sequence taps (as `extract_taps`) and, with `top_k > 0`, the target's `SoftLabels`, in memory."""
+    """Per-sequence taps (as `extract_taps`) and, with `top_k > 0`, the target's `SoftLabels`, in memory: on the
+    target's device, or on `out_device` (each batch moved there as it is made: `feature_bytes`)."""
     taps_out: list = [None] * len(sequences)
     soft_out: list | None = [None] * len(sequences) if top_k else None
     for _, group, taps, soft in _tap_batches(target, sequences, tap_layers, tokens_per_batch, autocast, set(), top_k):
+        if out_device is not None:
+            taps, soft = taps.to(out_device), None if soft is None else (soft[0].to(out_device), soft[1].to(out_device))
         for row, i in enumerate(group):
             n = len(sequences[i].ids)
             taps_out[i] = taps[row, :n].clone()
             if soft_out is not None:
                 soft_out[i] = SoftLabels(soft[0][row, :n].clone(), soft[1][row, :n].clone())
     return taps_out, soft_out
+
+
+def feature_bytes(sequences: list[Sequence], taps_width: int, top_k: int = 0) -> int:
+    """Bytes of the features of `sequences` in memory: bf16 taps `(L, taps_width)`, and with `top_k` the soft
+    labels (int32 ids and fp32 log-probabilities, `(L, top_k)` each)."""
+    return sum(len(s.ids) for s in sequences) * (2 * taps_width + 8 * top_k)
 
 
 def cached_taps(path: Path, target: Decoder, sequences: list[Sequence], tap_layers: tuple[int, ...], key: str,

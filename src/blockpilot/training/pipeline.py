@@ -18,7 +18,7 @@ from blockpilot.models.config import DecoderConfig, DrafterConfig, check_drafter
 from blockpilot.models.dflash import DFlashDrafter
 from blockpilot.text import load_tokenizer
 from blockpilot.training.data import read_answer_rows, regenerate_answers, row_key, tokenize_rows
-from blockpilot.training.features import cached_taps, extract_features, load_cached_taps
+from blockpilot.training.features import cached_taps, extract_features, feature_bytes, load_cached_taps
 from blockpilot.training.objective import default_gamma
 from blockpilot.training.trainer import MAX_STEPS_UNSET, TrainConfig, TrainData, Trainer
 
@@ -90,8 +90,46 @@ def _features(args, prompts, target, tokenizer, target_dir: Path, work_dir: Path
         return cached
     sequences = tokenize_rows(rows, tokenizer, args.max_len)
     if not on_cpu:
-        return (sequences, *extract_features(target, sequences, tuple(tap_layers), top_k=top_k))
+        need = feature_bytes(sequences, len(tap_layers) * target.config.hidden_size, top_k)
+        free = torch.cuda.mem_get_info(torch.device(args.device))[0] if torch.device(args.device).type == "cuda" else None
+        where = features_device(need, free, host_available_bytes(), args.device)
+        return (sequences, *extract_features(target, sequences, tuple(tap_layers), top_k=top_k, out_device=where))
     return (sequences, *cached_taps(work_dir / "features", target, sequences, tuple(tap_layers), key, top_k=top_k))
+
+
+FEATURES_GPU_SHARE = 0.5
+"""A GPU run keeps the target features on the GPU while they take at most this share of its free memory."""
+
+
+def features_device(need: int, gpu_free: int | None, host_available: int | None, device: str) -> torch.device:
+    """Where a run on an accelerator keeps its target features (`need` bytes): on `device` while they fit
+    `FEATURES_GPU_SHARE` of its free memory (`gpu_free`, None: unknown, kept there), else in host memory,
+    each step's batch moved to the device (all 41k answers of the SmolLM2 drafter's data are ~70 GB of
+    taps: more than an H100 holds beside training, or an H200 beside a second run).
+
+    Raises:
+        UserError: they fit neither (`host_available`, None: unknown, not checked).
+    """
+    gb = 1e9
+    if gpu_free is None or need <= FEATURES_GPU_SHARE * gpu_free:
+        return torch.device(device)
+    if host_available is not None and need > 0.9 * host_available:
+        raise UserError(f"the target features of these answers take {need / gb:.1f} GB: more than half of the "
+                        f"{gpu_free / gb:.1f} GB free on {device} and than the {host_available / gb:.1f} GB of host "
+                        f"memory available; train on fewer answers (or shorter ones: --max-len)")
+    print(f"target features: {need / gb:.1f} GB, more than half of the {gpu_free / gb:.1f} GB free on {device}: "
+          "kept in host memory, each step's batch moved to the device", flush=True)
+    return torch.device("cpu")
+
+
+def host_available_bytes() -> int | None:
+    """`MemAvailable` of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as stream:
+            line = next(line for line in stream if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 def train_drafter_from_args(args: argparse.Namespace) -> Path:
