@@ -27,9 +27,9 @@ KEEP=${KEEP:-/tmp/keep}; G3=${G3:-.gpu3}; WORK=${WORK:-/tmp/bpwork}; OUT=${OUT:-
 PROMPT_SETS=${PROMPT_SETS:-"$G3/package-code.jsonl.gz:2.0:1024 $G3/sharegpt-later.jsonl.gz:0.7:256"}
 ANSWER_LIMIT=${ANSWER_LIMIT:-}   # answer only the first N prompts of each file (dry runs)
 SEQS=${SEQS:-64}; ANCHORS=${ANCHORS:-32}; VALID=${VALID:-256}; LR=${LR:-3e-4}; SEED=${SEED:-3}
-OLD_RUN=${OLD_RUN:-1}             # 0 for a run on all of data/ (scripts/finetune_data.py --out F: ~70 GB of taps,
-                                 # kept in host memory by train-drafter when over half the GPU's free memory; two
-                                 # such runs side by side would not fit the machine's 128 GB)
+OLD_RUN=${OLD_RUN:-1}            # 0 for a run on all of data/ (scripts/finetune_data.py --out F: 32k sequences, 56 GB
+                                 # of taps, kept in host memory by train-drafter when over half the GPU's free memory,
+                                 # as on an H100; two such runs side by side would not fit the machine's 128 GB)
 SETUP_S=${SETUP_S:-75}           # features + model loads + final eval + save, per training run
 export PYTHONUNBUFFERED=1 BLOCKPILOT_CACHE=$WORK/cache PYTHONPATH=$PWD/src:/tmp/site:$PWD/$G3/site${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$WORK" "$OUT"
