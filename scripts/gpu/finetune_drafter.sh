@@ -24,7 +24,7 @@ source "$(dirname "$0")/lib.sh"
 DEADLINE=${DEADLINE:-520}
 DEVICE=${DEVICE:-cuda}
 KEEP=${KEEP:-/tmp/keep}; G3=${G3:-.gpu3}; WORK=${WORK:-/tmp/bpwork}; OUT=${OUT:-/tmp/bpout}
-PROMPT_SETS=${PROMPT_SETS:-"$G3/package-code.jsonl.gz:2.0:1024 $G3/sharegpt-later.jsonl.gz:0.7:256"}
+PROMPT_SETS=${PROMPT_SETS-"$G3/package-code.jsonl.gz:2.0:1024 $G3/sharegpt-later.jsonl.gz:0.7:256"}  # empty: none
 ANSWER_LIMIT=${ANSWER_LIMIT:-}   # answer only the first N prompts of each file (dry runs)
 SEQS=${SEQS:-64}; ANCHORS=${ANCHORS:-32}; VALID=${VALID:-256}; LR=${LR:-3e-4}; SEED=${SEED:-3}
 OLD_RUN=${OLD_RUN:-1}            # 0 for a run on all of data/ (scripts/finetune_data.py --out F: 32k sequences, 56 GB
@@ -68,7 +68,7 @@ runs="all"; [ "$OLD_RUN" = 1 ] && runs="all old"
 log "fine-tuning ($runs) for $budget minutes each"
 pids=()
 for run in $runs; do
-  extra=(); [ "$run" = all ] && extra=(--answers "$new")
+  extra=(); [ "$run" = all ] && [ -s "$new" ] && extra=(--answers "$new")
   python3 -m blockpilot train-drafter --init-from "$KEEP/drafter" --answers "$G3/train.jsonl.gz" "${extra[@]}" \
     --out "$WORK/$run" --block-size 8 --time-budget "$budget" --sequences-per-step "$SEQS" --anchors "$ANCHORS" \
     --lr "$LR" --valid "$VALID" --eval-every 0.5 --checkpoint-every 0.5 --seed "$SEED" --device "$DEVICE" \
