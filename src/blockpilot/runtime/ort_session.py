@@ -169,17 +169,15 @@ def _session_saving_copy(path: Path, threads: int | None, root: Path, entry: Pat
 
 
 def _prune(root: Path, keep: Path) -> None:
-    """Remove entries whose source graph is gone (a rebuilt or deleted engine directory) and leftovers of
-    interrupted writes older than an hour."""
+    """Remove entries whose source graph is gone (a rebuilt or deleted engine directory), and folders without a
+    readable `meta.json` (interrupted writes; a writer renames its folder in and writes it at once) older than an hour."""
     for entry in root.iterdir():
         if entry == keep:
             continue
         try:
-            source = None if entry.name.startswith(".") else json.loads((entry / "meta.json").read_text())
-            stale = (not Path(source["identity"]["source"]).is_file() if source
-                     else time.time() - entry.stat().st_mtime > 3600)
+            source = json.loads((entry / "meta.json").read_text())["identity"]["source"]
+            stale = not Path(source).is_file()
         except (OSError, ValueError, KeyError, TypeError):
-            stale = True  # no readable meta.json: the writer renames the folder in before writing it, then at once
             try:
                 stale = time.time() - entry.stat().st_mtime > 3600
             except OSError:
