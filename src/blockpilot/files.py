@@ -60,6 +60,11 @@ def remembered_digest(kind: str, paths: Sequence[Path], compute: Callable[[], st
     return digest
 
 
+def remembered_file_sha256(path: Path) -> str:
+    """`file_sha256(path)`, remembered while the file's stat is unchanged (`remembered_digest`)."""
+    return remembered_digest("sha256", [path], lambda: file_sha256(path))
+
+
 DIGESTS_KEPT = 1000
 """Above this many remembered digests, those of files that are gone or changed are removed."""
 
@@ -76,11 +81,6 @@ def _prune_digests(folder: Path) -> None:
                     raise ValueError(path)
         except (OSError, ValueError, KeyError, TypeError):
             entry.unlink(missing_ok=True)
-
-
-def remembered_file_sha256(path: Path) -> str:
-    """`file_sha256(path)`, remembered while the file's stat is unchanged (`remembered_digest`)."""
-    return remembered_digest("sha256", [path], lambda: file_sha256(path))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
