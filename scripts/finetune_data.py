@@ -20,7 +20,9 @@ added 1,347 later turns (`LATER_TURNS`' fourth file) and session 28 3,225 more p
 (`PACKAGE_CODE`' second file); stage 10 (session 29) trained on both with `--focus` (below): 5,478 rows, md5
 3076b3fe.... Sessions 30 and 31 added 2,809 more package-code answers (`PACKAGE_CODE`' third and fourth files;
 stage 11, session 31, trained on them alone and was not shipped) and 1,301 later turns (`LATER_TURNS`' fifth file);
-stage 12 (session 32, shipped) trained on all three with `--focus`: 5,007 rows, md5 256491c2....
+stage 12 (session 32, shipped) trained on all three with `--focus`: 5,007 rows, md5 256491c2.... Sessions 33-42
+added the sixth later-turn file and package-code files 5-9 (stages 13-15 read some of them as `--focus`); files 6-9
+joined `PACKAGE_CODE` only in session 42 (until then the default output, 34,349 rows, left their 3,232 rows out).
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -53,7 +55,9 @@ LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz", "data/smollm
                "data/smollm2-sharegpt-answers-later6-1420.jsonl.gz"]
 PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz", "data/smollm2-package-code-answers2-3225.jsonl.gz",
                 "data/smollm2-package-code-answers3-2291.jsonl.gz", "data/smollm2-package-code-answers4-518.jsonl.gz",
-                "data/smollm2-package-code-answers5-473.jsonl.gz"]
+                "data/smollm2-package-code-answers5-473.jsonl.gz", "data/smollm2-package-code-answers6-661.jsonl.gz",
+                "data/smollm2-package-code-answers7-1086.jsonl.gz", "data/smollm2-package-code-answers8-1485.jsonl.gz",
+                "data/smollm2-package-code-answers9-3517.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
 MATH_KEPT = 600

@@ -63,3 +63,10 @@ def test_a_small_focus_set_is_topped_up_with_replay_rows_to_the_mix_size(script)
     assert len(script.focused(focus, rest, replay=7, seed=0, mix_size=20)) == 20
     assert len(script.focused(focus, rest, replay=7, seed=0, mix_size=10)) == 12  # --replay already exceeds it
     assert script.focused(focus, rest, replay=7, seed=0, mix_size=20)[:12] == script.focused(focus, rest, 7, 0)
+
+
+def test_every_answer_file_in_data_is_training_data_or_a_label_set(script):
+    listed = set(script.ANSWERS + script.LATER_TURNS + script.PACKAGE_CODE + script.LABEL_SETS)
+    held = {f"data/{path.name}" for path in (script.ROOT / "data").glob("*.jsonl.gz")}
+    assert held - listed == set(), "a new answers file in data/ that scripts/finetune_data.py does not read"
+    assert {path for path in listed if path.startswith("data/")} <= held

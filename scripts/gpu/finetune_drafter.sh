@@ -27,7 +27,7 @@ KEEP=${KEEP:-/tmp/keep}; G3=${G3:-.gpu3}; WORK=${WORK:-/tmp/bpwork}; OUT=${OUT:-
 PROMPT_SETS=${PROMPT_SETS-"$G3/package-code.jsonl.gz:2.0:1024 $G3/sharegpt-later.jsonl.gz:0.7:256"}  # empty: none
 ANSWER_LIMIT=${ANSWER_LIMIT:-}   # answer only the first N prompts of each file (dry runs)
 SEQS=${SEQS:-64}; ANCHORS=${ANCHORS:-32}; VALID=${VALID:-256}; LR=${LR:-3e-4}; SEED=${SEED:-3}
-OLD_RUN=${OLD_RUN:-1}            # 0 for a run on all of data/ (scripts/finetune_data.py --out F: 32k sequences, 56 GB
+OLD_RUN=${OLD_RUN:-1}            # 0 for a run on all of data/ (scripts/finetune_data.py --out F: 39k sequences, 69 GB
                                  # of taps, kept in host memory by train-drafter when over half the GPU's free memory,
                                  # as on an H100; two such runs side by side would not fit the machine's 128 GB)
 SETUP_S=${SETUP_S:-75}           # features + model loads + final eval + save, per training run

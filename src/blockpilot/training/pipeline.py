@@ -104,8 +104,8 @@ FEATURES_GPU_SHARE = 0.5
 def features_device(need: int, gpu_free: int | None, host_available: int | None, device: str) -> torch.device:
     """Where a run on an accelerator keeps its target features (`need` bytes): on `device` while they fit
     `FEATURES_GPU_SHARE` of its free memory (`gpu_free`, None: unknown, kept there), else in host memory,
-    each step's batch moved to the device (the SmolLM2 drafter's 32k training sequences of data/ are 56 GB of
-    taps: more than an H100 holds beside training, or an H200 beside a second run).
+    each step's batch moved to the device (the SmolLM2 drafter's 39k training sequences of data/ are 69 GB of
+    taps: more than an H100 holds, or an H200 beside a second run).
 
     Raises:
         UserError: they fit neither (`host_available`, None: unknown, not checked).
