@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from blockpilot.errors import UserError
+from blockpilot.files import remembered_file_sha256
 
 EXPORT_VERSION = 5
 """Bump when the exported graphs change (fused projections, RMSNormalization: 2; per-row positions: 3;
@@ -34,9 +35,9 @@ PREFIX = "smollm2-"
 
 def _digest(paths: list[Path], settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    for path in paths:
+    for path in paths:  # each file's SHA-256, remembered while it is unchanged (the drafter's 25 MB at every start)
         h.update(path.name.encode())
-        h.update(hashlib.sha256(path.read_bytes()).digest())
+        h.update(bytes.fromhex(remembered_file_sha256(path)))
     return h.hexdigest()[:16]
 
 
