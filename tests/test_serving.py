@@ -334,6 +334,54 @@ def test_serve_without_ray_refuses_replicas_in_one_line(capsys):
     assert err == ["blockpilot serve: error: --replicas and --ray-address need --ray"]
 
 
+@pytest.mark.parametrize("where, message", [
+    (["--port", "70000"], "--port 70000 is not a TCP port; pass one in 1..65535 (0: any free port)"),
+    (["--port", "-1"], "--port -1 is not a TCP port; pass one in 1..65535 (0: any free port)"),
+    (["--host", "999.1.1.1"], "--host 999.1.1.1 is not an address"),
+    (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:"),  # TEST-NET-1: no machine's own address
+    (["--port", "in-use"], "(address already in use); pass another --port, or stop the process listening there"),
+])
+def test_serve_refuses_an_address_it_cannot_listen_on_in_one_line_before_loading_the_model(
+        where, message, dirs, monkeypatch, capsys):
+    import socket
+
+    from blockpilot.cli import main
+    from blockpilot.commands import serve
+
+    def never(args):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(serve, "load_served_model", never)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        where = [str(busy.getsockname()[1]) if w == "in-use" else w for w in where]
+        code = main(["serve", "--target", str(dirs[0]), "--drafter", str(dirs[1]), *where])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("blockpilot serve: error: ") and message in err[0], err
+
+
+def test_serve_on_port_0_listens_on_a_free_port_and_prints_it(dirs):
+    command = [sys.executable, "-m", "blockpilot", "serve", "--target", str(dirs[0]), "--drafter", str(dirs[1]),
+               "--served-model-name", MODEL, "--port", "0", "--log-level", "warning"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = next(line for line in proc.stderr if line.startswith("blockpilot serve: "))
+        url = line.split(" on ", 1)[1].split("/v1", 1)[0]
+        port = int(url.rsplit(":", 1)[1])
+        assert url == f"http://127.0.0.1:{port}" and port > 0, line
+        wait_until(lambda: healthy(url) or proc.poll() is not None, timeout=60, what="the server to start")
+        assert healthy(url)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # ---------------------------------------------------------------- text and stop strings
 
 

@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
     add_lookup_arg(p)
     add_verify_length_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed at start; not with --ray)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the target's directory "
                    "name, SmolLM2-135M-Instruct for the embedded default)")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (per replica)")
@@ -60,23 +60,36 @@ def run(args: argparse.Namespace) -> int:
     if not args.ray and (args.replicas != 1 or args.ray_address):
         raise UserError("--replicas and --ray-address need --ray")
     _check_installed("ray" if args.ray else None)
+    from blockpilot.serving.app import create_app, listening_socket, run_server
+
     if args.ray:
+        if args.port == 0:
+            raise UserError("--ray needs a fixed --port (Ray Serve's proxy listens on it); pass one in 1..65535")
+        listening_socket(args.host, args.port).close()  # a port in use or a bad --host fails now, in one line
         from blockpilot.serving.ray_deployment import RayOptions, serve_until_signal
 
         options = RayOptions(replicas=args.replicas, replica_cpus=args.replica_cpus,
                              replica_gpus=args.replica_gpus, address=args.ray_address)
-        print(f"blockpilot serve: {args.replicas} Ray Serve replicas on http://{args.host}:{args.port}/v1 "
+        print(f"blockpilot serve: {args.replicas} Ray Serve replicas on http://{_url_host(args.host)}:{args.port}/v1 "
               "(loading the model in each)", file=sys.stderr, flush=True)
         serve_until_signal(functools.partial(load_served_model, args), config, options, host=args.host,
                            port=args.port)
         return 0
-    from blockpilot.serving.app import create_app, run_server
-
-    model = load_served_model(args)
-    print(f"blockpilot serve: {model.name} on http://{args.host}:{args.port}/v1 (max batch {config.max_batch}, "
+    sock = listening_socket(args.host, args.port)  # a port in use fails now, not after the model has loaded
+    try:
+        model = load_served_model(args)
+    except BaseException:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    print(f"blockpilot serve: {model.name} on http://{_url_host(args.host)}:{port}/v1 (max batch {config.max_batch}, "
           f"queue {config.max_queue})", file=sys.stderr, flush=True)
-    run_server(create_app(model, config), host=args.host, port=args.port, log_level=args.log_level)
+    run_server(create_app(model, config), sock=sock, log_level=args.log_level)
     return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def server_config(args: argparse.Namespace):

@@ -475,9 +475,46 @@ class CountRequests:
 # ---------------------------------------------------------------- uvicorn
 
 
-def run_server(app: FastAPI, *, host: str, port: int, log_level: str = "info") -> None:
-    """Serve `app` until SIGTERM/SIGINT; then answer 503 to new requests, let those in flight
-    finish (up to the app's `drain_timeout_s`), drain the scheduler and return."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `(host, port)` for `run_server` (port 0: a free one, see `getsockname`).
+
+    `blockpilot serve` binds it before loading the model, so that a port in use, a port out of range or
+    an address that is not this machine's ends at once in one line (`UserError`); uvicorn, left to bind
+    itself, logged the error and exited 1 after the model had loaded, and took a port above 65535 without
+    complaint.
+
+    Raises:
+        UserError: the port is outside 0..65535, the host does not resolve, or the address cannot be bound.
+    """
+    import errno
+
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is not a TCP port; pass one in 1..65535 (0: any free port)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UserError(f"--host {host} is not an address ({getattr(exc, 'strerror', None) or exc}); pass one of "
+                        "this machine's, e.g. 127.0.0.1, or 0.0.0.0 for every interface") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = {errno.EADDRINUSE: "pass another --port, or stop the process listening there",
+                errno.EACCES: "ports below 1024 need privileges; pass a --port above 1023",
+                errno.EADDRNOTAVAIL: "pass one of this machine's addresses with --host, e.g. 127.0.0.1 or 0.0.0.0",
+                }.get(exc.errno, "check --host and --port")
+        raise UserError(f"cannot listen on {host}:{port} ({(exc.strerror or str(exc)).lower()}); {hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(app: FastAPI, *, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve `app` on the bound socket `sock` (`listening_socket`) until SIGTERM/SIGINT; then answer 503
+    to new requests, let those in flight finish (up to the app's `drain_timeout_s`), drain the
+    scheduler and return. The socket is closed on return."""
     import signal
 
     import uvicorn
@@ -489,13 +526,15 @@ def run_server(app: FastAPI, *, host: str, port: int, log_level: str = "info") -
             state.draining = True
             super().handle_exit(sig, frame)
 
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(state.config.drain_timeout_s) or None)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler makes a
     # drained shutdown a normal return (exit status 0).
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM,)}
     try:
-        DrainingServer(config).run()
+        DrainingServer(config).run(sockets=[sock])
     finally:
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
