@@ -177,6 +177,7 @@ def test_train_predictor_bad_inputs_end_in_one_line_and_exit_2(tmp_path, capsys)
     write_dataset(tmp_path / "b", target_sha="0" * 64)
     write_dataset(tmp_path / "small", n=5)
     (tmp_path / "notes").mkdir()
+    (tmp_path / "labels.jsonl").write_text('{"prompt": "a"}\n')  # a file where the dataset folder is wanted
     base = ["train-predictor", "--out", str(tmp_path / "p.onnx"), "--hidden", "8", "--max-epochs", "2"]
     target = make_hf_target(tmp_path, "llama")
     capsys.readouterr()  # saving the fixture model prints progress
@@ -185,6 +186,7 @@ def test_train_predictor_bad_inputs_end_in_one_line_and_exit_2(tmp_path, capsys)
         (["--dataset", str(tmp_path / "a"), "--target", str(target)], "labelled with another target"),
         (["--dataset", str(tmp_path / "small")], "has 5 labelled prompts"),
         (["--dataset", str(tmp_path / "notes")], "is not a label dataset"),
+        (["--dataset", str(tmp_path / "labels.jsonl")], "is a file, not a label dataset; pass the folder"),
         (["--dataset", str(tmp_path / "a"), "--val-fraction", "0.9"], "fractions must be"),
         (["--dataset", str(tmp_path / "a"), "--temperature-heads"], "--temperature-heads needs --with-temperature"),
     ]

@@ -244,3 +244,17 @@ def test_fine_tuning_starts_from_the_given_drafter_and_keeps_its_draft_vocabular
     with pytest.raises(UserError, match="has block-size 4, not 6"):
         train_drafter_from_args(_args(tmp_path, packed, target=target_dir, max_steps=2, init_from=tmp_path / "base",
                                       block_size=6, out=tmp_path / "x", work_dir=tmp_path / "work-x"))
+
+
+def test_resume_without_a_checkpoint_stops_before_extracting_features_and_leaves_no_work_dir(
+        tmp_path, tiny_corpus, monkeypatch):
+    from blockpilot.training import pipeline
+
+    def never(*args, **kwargs):
+        raise AssertionError("the target's features were computed before --resume was checked")
+
+    monkeypatch.setattr(pipeline, "_features", never)
+    target_dir, answers = tiny_corpus
+    with pytest.raises(UserError, match=r"--resume: no checkpoint in .*work; run without --resume first"):
+        pipeline.train_drafter_from_args(_args(tmp_path, answers, target=target_dir, resume=True))
+    assert not (tmp_path / "work").exists()

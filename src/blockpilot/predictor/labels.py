@@ -212,6 +212,8 @@ def load_label_dataset(path: str | Path) -> LabelDataset:
 
 def read_meta(path: Path) -> dict | None:
     """`meta.json` of a dataset directory, None when absent."""
+    if Path(path).is_file():  # a JSONL file given where the folder `blockpilot label --out` wrote is wanted
+        raise UserError(f"{path} is a file, not a label dataset; pass the folder `blockpilot label --out` wrote")
     try:
         meta = json.loads((Path(path) / META).read_text())
     except FileNotFoundError:

@@ -145,8 +145,8 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
     drafter = _initial_drafter(args, target.config, mask_token_id)
     config = drafter.config
     work_dir = args.work_dir or args.out.with_name(args.out.name + ".work")
+    _check_resume(work_dir, target.config, args.resume)  # before the target's features, which take minutes
     work_dir.mkdir(parents=True, exist_ok=True)
-    _check_resume_target(work_dir, target.config, args.resume)
     tokenizer = load_tokenizer(target_dir)
     sequences, taps, soft = _features(args, prompts, target, tokenizer, target_dir, work_dir, config.target_layer_ids)
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(args.seed)).tolist()
@@ -161,8 +161,8 @@ def train_drafter_from_args(args: argparse.Namespace) -> Path:
         eval_every_s=args.eval_every * 60, checkpoint_every_s=args.checkpoint_every * 60,
         autocast=not args.no_autocast, seed=args.seed, device=args.device)
     trainer = Trainer(drafter, target, data, train_config, work_dir)
-    if args.resume and not trainer.load_checkpoint():
-        raise UserError(f"--resume: no checkpoint in {work_dir}; run without --resume first")
+    if args.resume and not trainer.load_checkpoint():  # `_check_resume` found it at the start
+        raise UserError(f"--resume: the checkpoint in {work_dir} went away while the run started; run again")
     began = time.time()
     log = trainer.run()
     summary = {"steps": trainer.step, "train_seconds": round(trainer.elapsed, 1), "sequences": len(data.train),
@@ -199,10 +199,14 @@ def _initial_drafter(args, target: DecoderConfig, mask_token_id: int) -> DFlashD
     return drafter
 
 
-def _check_resume_target(work_dir: Path, target: DecoderConfig, resume: bool) -> None:
-    """A resumed run must use the target its checkpoint was trained for."""
+def _check_resume(work_dir: Path, target: DecoderConfig, resume: bool) -> None:
+    """A resumed run needs a checkpoint, made for the same target."""
+    if not resume:
+        return
+    if not (work_dir / "checkpoint" / "train_state.pt").is_file():
+        raise UserError(f"--resume: no checkpoint in {work_dir}; run without --resume first")
     ckpt = work_dir / "checkpoint" / "config.json"
-    if resume and ckpt.is_file():
+    if ckpt.is_file():
         saved = DrafterConfig.from_dict(json.loads(ckpt.read_text()), str(ckpt))
         check_drafter_fits_target(target, saved, where=f"the checkpoint in {work_dir}")
 
