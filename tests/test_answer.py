@@ -152,7 +152,7 @@ def test_later_turns_without_a_chat_template_end_in_one_line_and_write_nothing(e
     (["--engine-dir", "NOWHERE"], "NOWHERE"),
     (["--engine-dir", "ENGINE", "--threads", "0"], "--threads must be positive"),
     (["--backend", "tensorrt"], "drop --backend tensorrt"),
-    (["--engine-dir", "ENGINE", "--temperature", "-1"], "need temperature >= 0"),
+    (["--engine-dir", "ENGINE", "--temperature", "-1"], "need a finite temperature >= 0"),
     (["--engine-dir", "ENGINE", "--temperature", "1", "--top-p", "0"], "fix --temperature, --top-k or --top-p"),
 ])
 def test_bad_answer_options_end_in_one_line_and_exit_2(engine, target, tmp_path, capsys, extra, message):

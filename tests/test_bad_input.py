@@ -100,6 +100,8 @@ GENERATE_MISTAKES = {
     "block-size-not-a-number": (None, ["--block-size", "eight"], "'eight'"),
     "auto-without-predictor": (dict(block_size="auto"), ["--block-size", "auto"], "predictor"),
     "negative-temperature": (dict(temperature=-1.0), ["--temperature", -1], "temperature"),
+    "nan-temperature": (dict(temperature=float("nan")), ["--temperature", "nan"], "finite temperature"),
+    "infinite-temperature": (dict(temperature=float("inf")), ["--temperature", "inf"], "finite temperature"),
     "top-p-zero": (dict(top_p=0.0), ["--top-p", 0], "top_p"),
     "negative-top-k": (dict(top_k=-2), ["--top-k", -2], "top_k"),
 }
@@ -116,6 +118,27 @@ def test_generate_mistake_raises_user_error_through_the_api(models, case):
         # a lazy failure (after prefill) must surface on the first step, before any output
         next(iter(runner.generate([torch.tensor(ids, dtype=torch.long)], streaming=True, **kwargs)))
     assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("batch, kwargs, needle", [
+    ([torch.tensor([104.0, 105.0])], {}, "holds torch.float32 values; pass token ids as integers"),
+    ([torch.tensor([True, False])], {}, "holds torch.bool values"),
+    ([torch.tensor([[104, 105], [106, 107]])], {}, "has shape (2, 2); pass each prompt as a 1-D tensor"),
+    (torch.tensor([[104, 105]]), {}, "batch_input_ids is one tensor of shape (1, 2); pass a list"),
+    ([torch.tensor([104, 105])], dict(random_seed="7", temperature=1.0), "random_seed must be an integer"),
+])
+def test_prompts_and_seeds_of_the_wrong_kind_raise_user_error_through_the_api(models, batch, kwargs, needle):
+    runner = Runner.from_dir(models["target"], drafter_dir=models["drafter"])
+    with pytest.raises(UserError) as caught:
+        runner.generate(batch, max_new_tokens=4, block_size=4, **kwargs)
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_one_row_prompt_tensor_is_one_prompt(models):
+    runner = Runner.from_dir(models["target"], drafter_dir=models["drafter"])
+    flat = runner.generate([torch.tensor([104, 105, 106])], max_new_tokens=4, block_size=4)
+    row = runner.generate([torch.tensor([[104, 105, 106]])], max_new_tokens=4, block_size=4)
+    assert torch.equal(flat, row)
 
 
 @pytest.mark.parametrize("case", sorted(GENERATE_MISTAKES))

@@ -328,8 +328,13 @@ class Runner:
 
         SamplingParams.checked(temperature, top_k, top_p)
         end_id = self.end_id if end_id is None else end_id
+        if isinstance(batch_input_ids, torch.Tensor):
+            raise UserError(f"batch_input_ids is one tensor of shape {tuple(batch_input_ids.shape)}; pass a list "
+                            "of 1-D token id tensors, one per prompt (e.g. [ids] or list(rows))")
         if not batch_input_ids:
             raise UserError("batch_input_ids is empty; pass at least one prompt")
+        if random_seed is not None and (isinstance(random_seed, bool) or not isinstance(random_seed, int)):
+            raise UserError(f"random_seed must be an integer (got {random_seed!r})")
         prompts = [self.check_prompt(ids, max_new_tokens, block_size, index=i) for i, ids in enumerate(batch_input_ids)]
         pad = end_id if end_id is not None else (pad_id if pad_id is not None else 0)
         base_seed = random_seed if random_seed is not None else torch.seed() & (2**62 - 1)
@@ -356,7 +361,13 @@ class Runner:
         """
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
-        prompt = torch.as_tensor(ids).reshape(-1).tolist()
+        ids = torch.as_tensor(ids)
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise UserError(f"prompt {index} holds {ids.dtype} values; pass token ids as integers")
+        if ids.dim() > 1 and (ids.dim() > 2 or ids.shape[0] != 1):
+            raise UserError(f"prompt {index} has shape {tuple(ids.shape)}; pass each prompt as a 1-D tensor of "
+                            "token ids (a (1, n) tensor is taken as one prompt)")
+        prompt = ids.reshape(-1).tolist()
         vocab = self.backend.target_config.vocab_size
         if not prompt:
             raise UserError(f"prompt {index} is empty; give at least one token")

@@ -31,6 +31,7 @@ Two lossless acceptance rules:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import torch
@@ -45,10 +46,10 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+        if not math.isfinite(self.temperature) or self.temperature < 0 or self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
             raise ValueError(
                 f"invalid sampling parameters (temperature={self.temperature}, top_k={self.top_k}, "
-                f"top_p={self.top_p}): need temperature >= 0, top_k >= 0 and 0 < top_p <= 1"
+                f"top_p={self.top_p}): need a finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1"
             )
 
     @property
