@@ -100,8 +100,8 @@ GENERATE_MISTAKES = {
     "block-size-not-a-number": (None, ["--block-size", "eight"], "'eight'"),
     "auto-without-predictor": (dict(block_size="auto"), ["--block-size", "auto"], "predictor"),
     "negative-temperature": (dict(temperature=-1.0), ["--temperature", -1], "temperature"),
-    "nan-temperature": (dict(temperature=float("nan")), ["--temperature", "nan"], "finite temperature"),
-    "infinite-temperature": (dict(temperature=float("inf")), ["--temperature", "inf"], "finite temperature"),
+    "nan-temperature": (dict(temperature=float("nan")), ["--temperature", "nan"], "finite"),
+    "infinite-temperature": (dict(temperature=float("inf")), ["--temperature", "inf"], "finite"),
     "top-p-zero": (dict(top_p=0.0), ["--top-p", 0], "top_p"),
     "negative-top-k": (dict(top_k=-2), ["--top-k", -2], "top_k"),
 }

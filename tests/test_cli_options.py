@@ -183,3 +183,18 @@ def test_importing_the_package_and_building_the_cli_stays_light():
             "print(heavy); from blockpilot import Runner; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split("\n")[:2] == ["[]", "True"], result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_every_number_option_refuses_nan_and_infinity_in_one_line(command, capsys):
+    from blockpilot.commands.common import finite_float
+
+    numbers = {flag: action for flag, action in options(subcommands()[command]).items() if action.type is not None
+               and getattr(action.type, "__name__", "") in ("float", "finite_float")}
+    assert all(action.type is finite_float for action in numbers.values()), numbers  # no bare float left
+    for flag in numbers:
+        for value in ("nan", "inf", "-inf"):
+            code, out, err = run_cli([command, f"{flag}={value}"], capsys)  # "=": "-inf" is no option
+            lines = err.strip().splitlines()
+            assert code == 2 and out == "" and len(lines) == 1, (flag, value, err)
+            assert f"argument {flag}: '{value}' is not a finite number" in lines[0], lines[0]

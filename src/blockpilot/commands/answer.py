@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockpilot.commands.common import BACKENDS, add_device_arg
+from blockpilot.commands.common import BACKENDS, add_device_arg, finite_float
 
 
 def add_parser(subparsers) -> None:
@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--limit", type=int, help="answer only the first N prompts of the file")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
-    p.add_argument("--time-budget", type=float, help="minutes; no new batch starts after it (resume later)")
+    p.add_argument("--time-budget", type=finite_float, help="minutes; no new batch starts after it (resume later)")
     p.add_argument("--backend", choices=BACKENDS,
                    help="onnxruntime: plain decoding of an engine directory's target, continuously batched (the "
                    "embedded default's cached engine dir, or --engine-dir); torch: transformers generate (default: "
@@ -38,9 +38,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--engine-dir", type=Path,
                    help="engine directory of --target (from blockpilot build) for --backend onnxruntime")
     p.add_argument("--threads", type=int, help="onnxruntime intra-op threads (default: all cores)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (1 = all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (each prompt's is derived from it and the prompt)")
     add_device_arg(p)
     p.set_defaults(run=run)

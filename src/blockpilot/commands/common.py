@@ -15,6 +15,7 @@ Nothing here imports torch at module level, so `--help` stays fast.
 from __future__ import annotations
 
 import argparse
+import math
 import dataclasses
 from pathlib import Path
 
@@ -94,6 +95,18 @@ def parse_block_size(text: str | None) -> int | str | None:
         return int(text)
     except ValueError:
         raise UserError(f"--block-size {text!r} is not an integer or 'auto'; pass e.g. --block-size 8") from None
+
+
+def finite_float(text: str) -> float:
+    """A number option (argparse `type=`): `float`, less the NaN and infinities it also parses, which every
+    such option here would carry into its arithmetic (a NaN temperature sampled NaN probabilities)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def argument_type(parse, *args):

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from blockpilot.commands.common import (add_lookup_arg, add_verify_length_arg, add_model_args,
-                                        open_runner, parse_block_size)
+                                        finite_float, open_runner, parse_block_size)
 from blockpilot.errors import UserError
 from blockpilot.text import chat_prompt_ids, load_tokenizer, one_line
 
@@ -42,9 +42,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--block-size", metavar="N|auto",
                    help="tokens per verify step, or 'auto' (the predictor chooses per prompt); default: auto "
                    "with a predictor, else the drafter's training block size")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (1 = all)")
     p.add_argument("--seed", type=int, help="random seed for sampling (same seed, same output)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="at most this many tokens per prompt")
     p.add_argument("--compare-plain", action="store_true",

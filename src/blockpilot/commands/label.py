@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from blockpilot.commands.common import (BLOCK_SIZES_EXAMPLE, add_device_arg, add_lookup_arg, argument_type,
-                                        parse_block_sizes)
+                                        finite_float, parse_block_sizes)
 from blockpilot.errors import UserError
 
 
@@ -40,9 +40,9 @@ def add_parser(subparsers) -> None:
                    help="step-cost table for the throughput labels: an engine dir (`blockpilot build` measures it "
                    "on its graphs) or a JSON file; use the backend and dtype that will run the predictor "
                    "(default: measured on the labelling backend)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (1 = all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt and block size")
     p.add_argument("--out", type=Path, required=True, help="dataset directory (created, or resumed)")
     p.add_argument("--limit", type=int, help="label only the first N prompts of the file")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import signal
 import sys
 from pathlib import Path
 
 from blockpilot.commands.common import (add_lookup_arg, add_verify_length_arg, add_model_args,
-                                        argument_type, comma_list, parse_block_sizes)
+                                        argument_type, comma_list, finite_float, parse_block_sizes)
 from blockpilot.errors import UserError
 
 BASELINES = "ar,hf-ar,hf-dflash,hf-prompt-lookup"
@@ -28,7 +29,7 @@ def add_parser(subparsers) -> None:
         "(exit 130).",
     )
     add_model_args(p, peers=True)
-    p.add_argument("--predictor-threshold", type=float,
+    p.add_argument("--predictor-threshold", type=finite_float,
                    help="override the predictor's fallback threshold (below it the runtime uses B_train)")
     p.add_argument("--dataset", action="append", default=[], required=True,
                    help="humaneval, mtbench, sharegpt, stdlib-code or a JSONL file of {\"prompt\": ...} "
@@ -131,7 +132,10 @@ def _sources(args):
 
 def _floats(text: str, flag: str) -> list[float]:
     try:
-        return [float(part) for part in comma_list(text)]
+        values = [float(part) for part in comma_list(text)]
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError
+        return values
     except ValueError:
         raise UserError(f"{flag} {text!r}: give numbers separated by commas, e.g. 0,1") from None
 

@@ -13,7 +13,8 @@ import argparse
 import functools
 import sys
 
-from blockpilot.commands.common import add_lookup_arg, add_verify_length_arg, add_model_args, open_runner
+from blockpilot.commands.common import (add_lookup_arg, add_model_args, add_verify_length_arg, finite_float,
+                                        open_runner)
 from blockpilot.errors import UserError
 
 
@@ -41,7 +42,7 @@ def add_parser(subparsers) -> None:
                    "decoding gives more tokens/s (measured on 2 CPU cores: 16 slots, 215 vs 156 tok/s); 0: never")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="token budget of a chat request that sets no max_tokens (capped by the cache)")
-    p.add_argument("--drain-seconds", type=float, default=30.0,
+    p.add_argument("--drain-seconds", type=finite_float, default=30.0,
                    help="on SIGTERM, how long the requests in flight may take to finish")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
@@ -50,8 +51,8 @@ def add_parser(subparsers) -> None:
     ray.add_argument("--replicas", type=int, default=1, help="replicas, each loading its own model (with --ray)")
     ray.add_argument("--ray-address", help="a running Ray cluster to deploy to (e.g. auto); default: start a "
                      "local one on this machine")
-    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica")
-    ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica")
+    ray.add_argument("--replica-cpus", type=finite_float, default=1.0, help="CPUs Ray reserves per replica")
+    ray.add_argument("--replica-gpus", type=finite_float, default=0.0, help="GPUs Ray reserves per replica")
     p.set_defaults(run=run)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockpilot.commands.common import add_device_arg
+from blockpilot.commands.common import add_device_arg, finite_float
 
 
 def add_parser(subparsers) -> None:
@@ -32,22 +32,22 @@ def add_parser(subparsers) -> None:
     p.add_argument("--gen-batch-size", type=int, default=16, help="prompts answered per batch")
     add_device_arg(p)
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
-    p.add_argument("--time-budget", type=float, required=True, help="minutes of training (the schedule fits it)")
+    p.add_argument("--time-budget", type=finite_float, required=True, help="minutes of training (the schedule fits it)")
     p.add_argument("--max-steps", type=int, help="stop after N steps (default: as many as the time budget allows)")
     p.add_argument("--sequences-per-step", type=int, default=8, help="training sequences per optimizer step")
     p.add_argument("--anchors", type=int, default=16, help="anchored blocks per sequence")
-    p.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (cosine schedule)")
-    p.add_argument("--gamma", type=float, help="loss decay (default 7 for B>=16, 5 for B>=10, else 4)")
-    p.add_argument("--distill", type=float, default=0.0,
+    p.add_argument("--lr", type=finite_float, default=6e-4, help="peak AdamW learning rate (cosine schedule)")
+    p.add_argument("--gamma", type=finite_float, help="loss decay (default 7 for B>=16, 5 for B>=10, else 4)")
+    p.add_argument("--distill", type=finite_float, default=0.0,
                    help="weight in [0, 1] of the target's own next-token distribution in every slot's target "
                    "(0: hard labels only, the DFlash recipe); drafts drawn from such a drafter are accepted more "
                    "often at T > 0. Caches the target's top --distill-top-k ids per position with the taps")
     p.add_argument("--distill-top-k", type=int, default=32, help="ids of the target's distribution kept per position")
-    p.add_argument("--distill-temperature", type=float, default=1.0,
+    p.add_argument("--distill-temperature", type=finite_float, default=1.0,
                    help="temperature of the target's distribution that the drafter learns")
     p.add_argument("--valid", type=int, default=48, help="held-out sequences for the periodic tau")
-    p.add_argument("--eval-every", type=float, default=5.0, help="minutes between validation evals")
-    p.add_argument("--checkpoint-every", type=float, default=10.0, help="minutes between checkpoints")
+    p.add_argument("--eval-every", type=finite_float, default=5.0, help="minutes between validation evals")
+    p.add_argument("--checkpoint-every", type=finite_float, default=10.0, help="minutes between checkpoints")
     p.add_argument("--work-dir", type=Path, help="features cache + checkpoints (default: OUT.work)")
     p.add_argument("--resume", action="store_true", help="continue from the work dir's checkpoint")
     p.add_argument("--init-from", type=Path, help="start from this drafter's weights (and draft vocabulary) instead of "

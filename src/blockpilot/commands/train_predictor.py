@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from blockpilot.commands.common import argument_type, parse_block_sizes
+from blockpilot.commands.common import argument_type, finite_float, parse_block_sizes
 
 
 def add_parser(subparsers) -> None:
@@ -30,20 +30,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--features", choices=("pooled", "logits"), default="pooled",
                    help="mean-pooled last hidden state (default) or last-token prefill logits")
     p.add_argument("--hidden", type=int, default=2048, help="width of the MLP's hidden layer")
-    p.add_argument("--dropout", type=float, default=0.2, help="dropout probability in training")
+    p.add_argument("--dropout", type=finite_float, default=0.2, help="dropout probability in training")
     p.add_argument("--with-temperature", action="store_true", help="take the sampling temperature as an input")
     p.add_argument("--temperature-heads", action="store_true",
                    help="with --with-temperature: one output head for greedy and one for sampled requests, mixed by "
                    "the request's temperature (clamped to [0, 1]), so that greedy labels do not decide sampled choices")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=1e-2, help="AdamW weight decay")
+    p.add_argument("--lr", type=finite_float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=finite_float, default=1e-2, help="AdamW weight decay")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per training batch")
     p.add_argument("--max-epochs", type=int, default=300, help="stop after this many epochs at the latest")
     p.add_argument("--patience", type=int, default=30, help="epochs without a better validation loss before stopping")
-    p.add_argument("--val-fraction", type=float, default=0.15, help="share of prompts held out for early stopping")
-    p.add_argument("--test-fraction", type=float, default=0.15,
+    p.add_argument("--val-fraction", type=finite_float, default=0.15, help="share of prompts held out for early stopping")
+    p.add_argument("--test-fraction", type=finite_float, default=0.15,
                    help="share of prompts held out for the report (used neither for training nor stopping)")
-    p.add_argument("--threshold", type=float, default=0.0,
+    p.add_argument("--threshold", type=finite_float, default=0.0,
                    help="stored fallback threshold: below this top probability the runtime uses B_train")
     p.add_argument("--seed", type=int, default=0, help="random seed (splits, initialisation, batches)")
     p.add_argument("--block-sizes", type=argument_type(parse_block_sizes), metavar="LIST",
