@@ -101,6 +101,17 @@ def test_demo_takes_the_model_options_and_reports_speculative_rows(tmp_path, cap
     assert len(rows) == 4 and all(row.split()[-1] == "4" for row in rows)  # block size: B_train
 
 
+@pytest.mark.parametrize("extra, needle", [(["--max-new-tokens", 0], "max_new_tokens must be >= 1"),
+                                           (["--max-new-tokens", 100000], "exceeds the cache capacity"),
+                                           (["--block-size", 99], "block size 99")])
+def test_demo_mistakes_are_one_line_before_any_table_row(tmp_path, extra, needle, capsys):
+    target = make_chat_target(tmp_path)
+    drafter = make_drafter(tmp_path, target, block_size=4)
+    code, out, err = run_cli(["demo", "--target", target, "--drafter", drafter, "--device", "cpu", *extra], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and needle in lines[0], (out, err)
+
+
 # ---------------------------------------------------------------- build
 
 

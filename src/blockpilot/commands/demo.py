@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {opened.note}", file=sys.stderr)
     tokenizer = load_tokenizer(opened.choice.tokenizer)
     prompts = [chat_prompt_ids(tokenizer, text) for _, text in DEMO_PROMPTS]
+    for index, ids in enumerate(prompts):  # a bad --max-new-tokens or block size fails before the table starts
+        runner.check_prompt(ids, args.max_new_tokens, block_size, index)
     _timed(runner, prompts[0], 8, block_size)  # warm-up, not reported
     header = f"{'prompt':<8}{'AR tok/s':>10}{'spec tok/s':>12}{'speedup':>9}{'tau':>7}{'block':>7}"
     print(header)
