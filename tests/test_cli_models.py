@@ -148,3 +148,15 @@ def test_build_without_models_builds_the_embedded_default_with_its_predictors_si
     candidates = OnnxBlockSizePolicy(default_predictor_path()).candidates
     assert spec.block_sizes == tuple(k for k in candidates if k > 1)  # 1 (plain decoding) needs no graph
     assert spec.max_seq_len == 1024
+
+
+@pytest.mark.slow
+def test_build_with_block_sizes_the_shipped_predictor_lacks_says_how_and_builds_without_it_when_asked(tmp_path):
+    from blockpilot.assets.smollm2 import smollm2_dir
+
+    with pytest.raises(UserError, match=r"--block-sizes 2,3,4 lacks 6,.*add --no-predictor"):
+        resolve_spec(build_args("--out", tmp_path / "e", "--block-sizes", "2-4"))
+    spec = resolve_spec(build_args("--out", tmp_path / "e", "--block-sizes", "2-4", "--no-predictor"))
+    assert (spec.target_dir, spec.predictor, spec.block_sizes) == (smollm2_dir(), None, (2, 3, 4))
+    with pytest.raises(UserError, match="contradict"):
+        resolve_spec(build_args("--out", tmp_path / "e", "--predictor", __file__, "--no-predictor"))

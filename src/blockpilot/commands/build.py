@@ -33,6 +33,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--drafter", type=Path,
                    help="DFlash drafter dir, z-lab format (default: the shipped drafter of the embedded target)")
     p.add_argument("--predictor", type=Path, help="block-size predictor .onnx to ship in the directory")
+    p.add_argument("--no-predictor", action="store_true",
+                   help="ship no predictor, not even the embedded target's: requests run the built block size "
+                   "closest to the drafter's training block size unless they name one")
     p.add_argument("--block-sizes", type=argument_type(parse_block_sizes), metavar="LIST",
                    help=f"candidate block sizes, one profile each, e.g. {BLOCK_SIZES_EXAMPLE} (default: the "
                    "predictor's candidates, else the drafter's training block size +- 2)")
@@ -81,6 +84,8 @@ def resolve_spec(args: argparse.Namespace):
 
     target, drafter, predictor = _models(args)
     sizes = args.block_sizes
+    if predictor is not None and args.predictor is None and sizes is not None:  # the shipped one, by default
+        _check_shipped_predictor_fits(predictor, sizes)
     if sizes is None and predictor is not None:
         from blockpilot.runtime.policy import OnnxBlockSizePolicy
 
@@ -97,7 +102,21 @@ def resolve_spec(args: argparse.Namespace):
                      int4_drafter=args.int4_drafter)
 
 
+def _check_shipped_predictor_fits(predictor: Path, sizes: tuple[int, ...]) -> None:
+    from blockpilot.runtime.policy import OnnxBlockSizePolicy
+
+    candidates = [k for k in OnnxBlockSizePolicy(predictor).candidates if k > 1]
+    missing = [k for k in candidates if k not in sizes]
+    if missing:
+        listed = ",".join(map(str, sizes))
+        raise UserError(f"the shipped predictor chooses among block sizes {','.join(map(str, candidates))}, and "
+                        f"--block-sizes {listed} lacks {','.join(map(str, missing))}; add --no-predictor to build "
+                        "without it, or drop --block-sizes to build its sizes")
+
+
 def _models(args: argparse.Namespace) -> tuple[Path, Path, Path | None]:
+    if args.no_predictor and args.predictor is not None:
+        raise UserError("--predictor and --no-predictor contradict each other; pass one")
     for path, flag in ((args.target, "--target"), (args.drafter, "--drafter")):
         if path is not None and not path.is_dir():
             raise UserError(f"{flag} {path}: no such model directory")
@@ -113,7 +132,7 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path, Path | None]:
 
     if args.drafter is not None:
         return smollm2_dir(), args.drafter, args.predictor
-    return smollm2_dir(), default_drafter_dir(), args.predictor or default_predictor_path()
+    return smollm2_dir(), default_drafter_dir(), None if args.no_predictor else args.predictor or default_predictor_path()
 
 
 def run(args: argparse.Namespace) -> int:
