@@ -176,6 +176,8 @@ def test_label_bad_inputs_end_in_one_line_and_exit_2(models, tmp_path, capsys):
     assert "labelled with another model (target_sha256" in capsys.readouterr().err
     fails(["--prompts", str(prompts), "--out", str(tmp_path / "c"), "--temperature", "1"],
           "other settings (temperature")
+    fails(["--prompts", str(prompts), "--out", str(tmp_path / "c"), "--block-sizes", "6-11"],  # 11: not in its table
+          "other settings (candidates [1, 6, 7, 8, 9, 10], now [6, 7, 8, 9, 10, 11])")
     bare = make_hf_target(tmp, "llama", seed=6)  # no tokenizer files
     assert cli.main(["label", "--target", str(bare), "--drafter", str(drafter), "--prompts", str(prompts),
                      "--out", str(tmp_path / "d")]) == 2

@@ -173,6 +173,9 @@ def _step_costs(job: LabelJob, backend, candidates: tuple[int, ...]) -> dict:
     from blockpilot.predictor.labels import read_meta
 
     existing = read_meta(job.out) if job.out.exists() and any(job.out.iterdir()) else None
+    if existing and list(existing.get("candidates", [])) != list(candidates):  # before its table is read
+        raise UserError(f"{job.out} was labelled with other settings (candidates {existing.get('candidates')}, now "
+                        f"{list(candidates)}); use another --out or the same models and settings")
     if existing and existing.get("step_costs"):
         table = StepCosts.from_dict(existing["step_costs"])
     elif job.step_costs is not None:
