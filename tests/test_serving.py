@@ -168,6 +168,8 @@ def _chat(**fields) -> dict:
     ("/v1/chat/completions", _chat(max_tokens=0), 400, "max_tokens"),
     ("/v1/chat/completions", _chat(model="gpt-4"), 404, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages.0.role"),
     ("/v1/chat/completions", _chat(max_tokens=100_000), 400, "max_tokens"),
     ("/v1/chat/completions", _chat(n=2), 400, "n"),
     ("/v1/chat/completions", _chat(logprobs=True), 400, "logprobs"),
@@ -186,6 +188,8 @@ def test_bad_requests_get_openai_error_bodies_and_4xx(server, path, body, status
     assert error["message"] and error["type"]
     if param is not None:
         assert error["param"] == param
+    if isinstance(body, bytes):  # not JSON: no field to name
+        assert error["param"] is None
     if param == "max_tokens" and status == 400 and "max_tokens" in body and body["max_tokens"] > 1:
         assert error["code"] == "context_length_exceeded" and "cache capacity (4096 positions)" in error["message"]
 

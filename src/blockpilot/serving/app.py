@@ -439,8 +439,8 @@ def validation_error_body(errors) -> dict:
     """An OpenAI-style body for pydantic's errors: the first error names the field."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        message = f"the request body is not valid JSON ({first.get('msg')}); send a JSON object"
+    if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+        message, loc = f"the request body is not valid JSON ({first.get('msg')}); send a JSON object", []
     else:
         where = ".".join(loc) or "body"
         message = f"{where}: {first.get('msg')}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")

@@ -89,7 +89,7 @@ class CompletionRequest(_Sampling):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's; others are answered 400
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
