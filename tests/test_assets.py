@@ -61,6 +61,18 @@ def test_cache_dir_follows_environment_variable(monkeypatch, tmp_path):
     assert smollm2.cache_dir().parts[-2:] == (".cache", "blockpilot")
 
 
+def test_a_cache_path_through_a_file_is_one_line_through_the_cli(monkeypatch, tmp_path, capsys):
+    from blockpilot.cli import main
+
+    (tmp_path / "notes").write_text("not a folder")
+    for cache in (tmp_path / "notes", tmp_path / "notes" / "cache"):
+        monkeypatch.setenv("BLOCKPILOT_CACHE", str(cache))
+        assert main(["generate", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"blockpilot generate: error: the cache folder {cache} cannot be made: {tmp_path / 'notes'} "
+                       "is a file; point BLOCKPILOT_CACHE at a folder (unset, it is ~/.cache/blockpilot)"], err
+
+
 @pytest.mark.slow
 def test_conversion_writes_a_smollm2_folder_with_tied_fp32_safetensors(converted_dir):
     from safetensors import safe_open

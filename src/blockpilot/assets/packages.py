@@ -50,8 +50,19 @@ ASSET_PACKAGES = (SMOLLM2, HUMANEVAL, MTBENCH, SHAREGPT)
 
 
 def cache_dir() -> Path:
-    """`$BLOCKPILOT_CACHE` if set and non-empty, else `~/.cache/blockpilot` (not created here)."""
-    return Path(os.environ.get("BLOCKPILOT_CACHE") or "~/.cache/blockpilot").expanduser()
+    """`$BLOCKPILOT_CACHE` if set and non-empty, else `~/.cache/blockpilot` (not created here).
+
+    Raises:
+        UserError: the path, or the first of its parents that exists, is not a folder.
+    """
+    path = Path(os.environ.get("BLOCKPILOT_CACHE") or "~/.cache/blockpilot").expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        from blockpilot.errors import UserError
+
+        raise UserError(f"the cache folder {path} cannot be made: {existing} is a file; point BLOCKPILOT_CACHE at a "
+                        "folder (unset, it is ~/.cache/blockpilot)")
+    return path
 
 
 def pip_download(requirement: str, dest: Path) -> None:
