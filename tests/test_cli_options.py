@@ -198,3 +198,23 @@ def test_every_number_option_refuses_nan_and_infinity_in_one_line(command, capsy
             lines = err.strip().splitlines()
             assert code == 2 and out == "" and len(lines) == 1, (flag, value, err)
             assert f"argument {flag}: '{value}' is not a finite number" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("argv", [
+    ["build", "--out", "{file}/engine"],
+    ["label", "--prompts", "p.jsonl", "--out", "{file}/labels"],
+    ["profile", "--dataset", "humaneval", "--out", "{file}/report"],
+    ["train-drafter", "--answers", "a.jsonl", "--time-budget", "1", "--out", "{file}/drafter"],
+    ["train-drafter", "--answers", "a.jsonl", "--time-budget", "1", "--out", "d", "--work-dir", "{file}/work"],
+    ["train-predictor", "--dataset", "labels", "--out", "{file}/sub/predictor.onnx"],
+    ["answer", "--prompts", "p.jsonl", "--out", "{file}/answers.jsonl"],
+])
+def test_an_output_path_through_a_file_is_one_line_before_any_work(argv, tmp_path, capsys):
+    notes = tmp_path / "notes"
+    notes.write_text("a file, not a folder")
+    argv = [a.format(file=notes) for a in argv]
+    code, out, err = run_cli(argv, capsys)
+    flag = argv[argv.index(next(a for a in argv if a.startswith(str(notes)))) - 1]
+    assert code == 2 and out == "" and err.strip().splitlines() == [
+        f"blockpilot {argv[0]}: error: {flag} {argv[argv.index(flag) + 1]}: {notes} is a file, not a folder; "
+        f"choose another {flag}"], err

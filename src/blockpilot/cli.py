@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from blockpilot import __version__
 from blockpilot.commands.common import Parser
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error (already printed, one line)
         return int(exc.code or 0)
     try:
+        from blockpilot.files import check_out_path
+
+        for name in ("out", "work_dir"):  # every command's outputs: a folder on the way that is a file fails now
+            if isinstance(getattr(args, name, None), Path):
+                check_out_path(getattr(args, name), "--" + name.replace("_", "-"))
         return int(args.run(args) or 0)
     except UserError as exc:
         print(f"blockpilot {args.command}: error: {exc}", file=sys.stderr)

@@ -83,6 +83,21 @@ def _prune_digests(folder: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
+def check_out_path(path: Path, flag: str) -> None:
+    """Raise `UserError` when `path` (a command's output) could not be created where it is: the nearest folder
+    on its way that exists is a file, or cannot be written."""
+    from blockpilot.errors import UserError
+
+    for parent in Path(path).parents:  # a relative path ends at "."
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            raise UserError(f"{flag} {path}: {parent} is a file, not a folder; choose another {flag}")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"{flag} {path}: cannot write in {parent}; choose another {flag} or make it writable")
+        return
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same directory and a rename."""
     path = Path(path)
