@@ -132,7 +132,8 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path, Path | None]:
 
     if args.drafter is not None:
         return smollm2_dir(), args.drafter, args.predictor
-    return smollm2_dir(), default_drafter_dir(), None if args.no_predictor else args.predictor or default_predictor_path()
+    predictor = None if args.no_predictor else args.predictor or default_predictor_path()
+    return smollm2_dir(), default_drafter_dir(), predictor
 
 
 def run(args: argparse.Namespace) -> int:

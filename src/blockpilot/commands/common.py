@@ -15,8 +15,8 @@ Nothing here imports torch at module level, so `--help` stays fast.
 from __future__ import annotations
 
 import argparse
-import math
 import dataclasses
+import math
 from pathlib import Path
 
 from blockpilot.errors import UserError

@@ -30,7 +30,8 @@ def add_parser(subparsers) -> None:
     add_lookup_arg(p)
     add_verify_length_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed at start; not with --ray)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port (0: any free one, printed at start; not with --ray)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the target's directory "
                    "name, SmolLM2-135M-Instruct for the embedded default)")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (per replica)")
