@@ -50,12 +50,19 @@ ASSET_PACKAGES = (SMOLLM2, HUMANEVAL, MTBENCH, SHAREGPT)
 
 
 def cache_dir() -> Path:
-    """`$BLOCKPILOT_CACHE` if set and non-empty, else `~/.cache/blockpilot` (not created here).
+    """`$BLOCKPILOT_CACHE` if set and non-empty, else `~/.cache/blockpilot` (not created here). What is only
+    kept there to save time (remembered digests, optimized graphs) does without it when it cannot be made;
+    what must be there goes through `usable_cache_dir`."""
+    return Path(os.environ.get("BLOCKPILOT_CACHE") or "~/.cache/blockpilot").expanduser()
+
+
+def usable_cache_dir() -> Path:
+    """`cache_dir()`, for what has to be kept there (the converted model, package files, engine dirs).
 
     Raises:
         UserError: the path, or the first of its parents that exists, is not a folder.
     """
-    path = Path(os.environ.get("BLOCKPILOT_CACHE") or "~/.cache/blockpilot").expanduser()
+    path = cache_dir()
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         from blockpilot.errors import UserError
@@ -101,7 +108,8 @@ def packaged_file(package: AssetPackage, relative: str,
     installed = _installed_file(package.module, relative)
     if installed is not None:
         return installed
-    extracted = cache_dir() / "packages" / f"{package.distribution}-{package.version}" / package.module / relative
+    folder = usable_cache_dir() / "packages" / f"{package.distribution}-{package.version}"
+    extracted = folder / package.module / relative
     if extracted.is_file():
         return extracted
     if download is None or os.environ.get("BLOCKPILOT_OFFLINE"):

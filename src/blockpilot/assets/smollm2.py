@@ -28,7 +28,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from blockpilot.assets.packages import SMOLLM2, cache_dir, packaged_file  # noqa: F401 (cache_dir: public here too)
+from blockpilot.assets.packages import (SMOLLM2, cache_dir, packaged_file,  # noqa: F401 (cache_dir: public here too)
+                                        usable_cache_dir)
 from blockpilot.errors import UserError
 from blockpilot.files import file_sha256
 
@@ -90,7 +91,7 @@ def smollm2_dir(gguf_path: Path | None = None) -> Path:
     Raises:
         UserError: no cached conversion and the GGUF is missing or not the expected file.
     """
-    target = cache_dir() / SMOLLM2_DIR_NAME
+    target = usable_cache_dir() / SMOLLM2_DIR_NAME
     if _is_converted(target):
         return target
     gguf = Path(gguf_path) if gguf_path is not None else packaged_gguf()

@@ -51,14 +51,14 @@ def embedded_engine_dir(log=lambda message: print(message, file=sys.stderr, flus
         UserError: the package ships no drafter, or the build fails for a reason the user can fix.
     """
     from blockpilot.assets import default_drafter_dir, default_predictor_path
-    from blockpilot.assets.packages import cache_dir
+    from blockpilot.assets.packages import usable_cache_dir
     from blockpilot.assets.smollm2 import SOURCE_MARKER, smollm2_dir
 
     target, drafter, predictor = smollm2_dir(), default_drafter_dir(), default_predictor_path()
     drafter_files = [p for p in sorted(drafter.iterdir()) if p.suffix != ".md"]  # a model card's edit builds nothing
     inputs = [target / SOURCE_MARKER, *drafter_files] + ([predictor] if predictor else [])
     settings = {"export": EXPORT_VERSION, "block_sizes": BLOCK_SIZES, "max_seq_len": MAX_SEQ_LEN, "dtype": DTYPE}
-    root = cache_dir() / "engines"
+    root = usable_cache_dir() / "engines"
     out = root / f"{PREFIX}{_digest([p for p in inputs if p.is_file()], settings)}"
     if _usable(out):
         return out
