@@ -189,6 +189,8 @@ def test_train_predictor_bad_inputs_end_in_one_line_and_exit_2(tmp_path, capsys)
         (["--dataset", str(tmp_path / "labels.jsonl")], "is a file, not a label dataset; pass the folder"),
         (["--dataset", str(tmp_path / "a"), "--val-fraction", "0.9"], "fractions must be"),
         (["--dataset", str(tmp_path / "a"), "--temperature-heads"], "--temperature-heads needs --with-temperature"),
+        (["--dataset", str(tmp_path / "a"), "--lr", "-1"], "--lr must be > 0 and --weight-decay >= 0"),
+        (["--dataset", str(tmp_path / "a"), "--weight-decay", "-0.1"], "--lr must be > 0 and --weight-decay >= 0"),
     ]
     for extra, message in cases:
         assert cli.main(base + extra) == 2

@@ -258,3 +258,25 @@ def test_resume_without_a_checkpoint_stops_before_extracting_features_and_leaves
     with pytest.raises(UserError, match=r"--resume: no checkpoint in .*work; run without --resume first"):
         pipeline.train_drafter_from_args(_args(tmp_path, answers, target=target_dir, resume=True))
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lr", "-1"], "--lr must be > 0 (got -1.0)"), (["--lr", "0"], "--lr must be > 0"),
+    (["--gamma", "-2"], "--gamma must be > 0"), (["--eval-every", "-1"], "--eval-every must be >= 0 minutes"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0 minutes"),
+    (["--sequences-per-step", "0"], "--sequences-per-step must be >= 1"), (["--anchors", "0"], "--anchors must be >= 1"),
+    (["--valid", "-1"], "--valid must be >= 0"), (["--max-len", "4"], "--max-len must be >= 9"),
+    (["--max-steps", "0"], "--max-steps must be >= 1"),
+])
+def test_train_drafter_options_out_of_range_are_one_line_before_any_work(extra, message, tmp_path, tiny_corpus, capsys,
+                                                                          monkeypatch):
+    from blockpilot.cli import main
+    from blockpilot.training import pipeline
+
+    monkeypatch.setattr(pipeline, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    target_dir, answers = tiny_corpus
+    code = main(["train-drafter", "--target", str(target_dir), "--mask-token-id", "3", "--answers", str(answers),
+                 "--out", str(tmp_path / "d"), "--time-budget", "1", "--block-size", "8", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.work").exists()

@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     if not 0.0 <= args.dropout < 1.0 or not 0.0 <= args.threshold <= 1.0:
         raise UserError("--dropout must be in [0, 1) and --threshold in [0, 1]")
+    if args.lr <= 0 or args.weight_decay < 0:
+        raise UserError(f"--lr must be > 0 and --weight-decay >= 0 (got {args.lr} and {args.weight_decay})")
     datasets = [load_label_dataset(path) for path in args.dataset]
     if args.step_costs is not None:
         from blockpilot.predictor.labelling import read_step_costs

@@ -46,6 +46,18 @@ def _check_args(args) -> list:
         raise UserError(f"--distill-temperature must be > 0 (got {args.distill_temperature})")
     if args.block_size < 2:
         raise UserError(f"--block-size must be >= 2 for a drafter (got {args.block_size})")
+    for flag, value in (("--lr", args.lr), ("--gamma", args.gamma)):
+        if value is not None and value <= 0:  # --gamma None: its default for the block size
+            raise UserError(f"{flag} must be > 0 (got {value})")
+    for flag, value in (("--eval-every", args.eval_every), ("--checkpoint-every", args.checkpoint_every)):
+        if value < 0:  # 0: at every step
+            raise UserError(f"{flag} must be >= 0 minutes (got {value})")
+    for flag, value, low in (("--sequences-per-step", args.sequences_per_step, 1), ("--anchors", args.anchors, 1),
+                             ("--valid", args.valid, 0), ("--max-len", args.max_len, args.block_size + 1)):
+        if value < low:
+            raise UserError(f"{flag} must be >= {low} (got {value})")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UserError(f"--max-steps must be >= 1 (got {args.max_steps})")
     if not args.answers and not (args.prompts and args.regenerate > 0):
         raise UserError("no training data: pass --answers FILE and/or --prompts FILE|SET --regenerate N")
     for path in args.answers:
