@@ -362,6 +362,8 @@ class Runner:
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
         ids = torch.as_tensor(ids)
+        if ids.numel() == 0:
+            raise UserError(f"prompt {index} is empty; give at least one token")
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise UserError(f"prompt {index} holds {ids.dtype} values; pass token ids as integers")
         if ids.dim() > 1 and (ids.dim() > 2 or ids.shape[0] != 1):
@@ -369,8 +371,6 @@ class Runner:
                             "token ids (a (1, n) tensor is taken as one prompt)")
         prompt = ids.reshape(-1).tolist()
         vocab = self.backend.target_config.vocab_size
-        if not prompt:
-            raise UserError(f"prompt {index} is empty; give at least one token")
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise UserError(f"prompt {index} has token ids outside the vocabulary [0, {vocab})")
         largest = self.largest_block(block_size)

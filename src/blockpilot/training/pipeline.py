@@ -215,12 +215,12 @@ def _check_resume(work_dir: Path, target: DecoderConfig, resume: bool) -> None:
     """A resumed run needs a checkpoint, made for the same target."""
     if not resume:
         return
-    if not (work_dir / "checkpoint" / "train_state.pt").is_file():
-        raise UserError(f"--resume: no checkpoint in {work_dir}; run without --resume first")
     ckpt = work_dir / "checkpoint" / "config.json"
     if ckpt.is_file():
         saved = DrafterConfig.from_dict(json.loads(ckpt.read_text()), str(ckpt))
         check_drafter_fits_target(target, saved, where=f"the checkpoint in {work_dir}")
+    if not (work_dir / "checkpoint" / "train_state.pt").is_file():
+        raise UserError(f"--resume: no checkpoint in {work_dir}; run without --resume first")
 
 
 def _hardware(device: str) -> str:
