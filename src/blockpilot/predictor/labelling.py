@@ -24,7 +24,8 @@ from blockpilot.errors import UserError
 from blockpilot.runtime.settings import DEFAULT_LOOKUP
 from blockpilot.runtime.sampling import SamplingParams
 from blockpilot.text import load_tokenizer
-from blockpilot.predictor.labels import LABEL_FORMAT, LABEL_VERSION, LabelSettings, label_prompts, prepare_dataset_dir
+from blockpilot.predictor.labels import (LABEL_FORMAT, LABEL_VERSION, LabelSettings, check_resumable, label_prompts,
+                                        prepare_dataset_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,7 @@ def run_label_job(job: LabelJob) -> dict:
     runner.clock = _clock(job.clock)
     settings = _settings(job, runner.backend, sampling)
     meta = _meta(job, runner.backend, settings, tokenizer)
+    check_resumable(job.out, meta)  # an existing dataset's calibration and step costs are read below
     encoded, too_long = _encode_todo(prompts, set(), tokenizer, meta["chat_template"], settings, runner.backend)
     if too_long:
         print(f"label: skipping {too_long} prompts longer than the cache allows", file=sys.stderr)
@@ -173,9 +175,6 @@ def _step_costs(job: LabelJob, backend, candidates: tuple[int, ...]) -> dict:
     from blockpilot.predictor.labels import read_meta
 
     existing = read_meta(job.out) if job.out.exists() and any(job.out.iterdir()) else None
-    if existing and list(existing.get("candidates", [])) != list(candidates):  # before its table is read
-        raise UserError(f"{job.out} was labelled with other settings (candidates {existing.get('candidates')}, now "
-                        f"{list(candidates)}); use another --out or the same models and settings")
     if existing and existing.get("step_costs"):
         table = StepCosts.from_dict(existing["step_costs"])
     elif job.step_costs is not None:

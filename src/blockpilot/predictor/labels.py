@@ -345,19 +345,30 @@ def prepare_dataset_dir(path: Path, meta: dict) -> set[str]:
         UserError: the directory holds a dataset labelled with other models or settings, or is
             something else that is not empty.
     """
-    meta = json.loads(json.dumps(meta))  # compare in JSON form (tuples become lists)
-    existing = read_meta(path) if path.exists() else None
+    existing = check_resumable(path, meta)
     if existing is None:
         if path.exists() and any(path.iterdir()):
             raise UserError(f"{path} exists and is not a label dataset; choose another --out")
-        write_json_atomic(meta, path / META)
+        write_json_atomic(json.loads(json.dumps(meta)), path / META)
         return set()
-    for key in RESUME_KEYS:
+    return set(_read_rows(path)[0])
+
+
+def check_resumable(path: Path, meta: dict) -> dict | None:
+    """The meta.json of the dataset at `path` (None: there is none), checked to agree with `meta` on every
+    `RESUME_KEYS` entry; `run_label_job` calls it before it reads anything else of the dataset.
+
+    Raises:
+        UserError: the dataset was labelled with other models or settings.
+    """
+    meta = json.loads(json.dumps(meta))  # compare in JSON form (tuples become lists)
+    existing = read_meta(path) if path.exists() else None
+    for key in RESUME_KEYS if existing is not None else ():
         if existing.get(key, RESUME_DEFAULTS.get(key)) != meta.get(key):
             what = "another model" if key.endswith("sha256") else "other settings"
             raise UserError(f"{path} was labelled with {what} ({key} {existing.get(key)!r}, now {meta.get(key)!r}); "
                             "use another --out or the same models and settings")
-    return set(_read_rows(path)[0])
+    return existing
 
 
 def label_prompts(runner, prompts: list[tuple[int, str, list[int]]], settings: LabelSettings, out: Path,
