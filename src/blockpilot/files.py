@@ -88,14 +88,18 @@ def check_out_path(path: Path, flag: str) -> None:
     on its way that exists is a file, or cannot be written."""
     from blockpilot.errors import UserError
 
-    for parent in Path(path).parents:  # a relative path ends at "."
-        if not parent.exists():
-            continue
-        if not parent.is_dir():
-            raise UserError(f"{flag} {path}: {parent} is a file, not a folder; choose another {flag}")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise UserError(f"{flag} {path}: cannot write in {parent}; choose another {flag} or make it writable")
+    parent = nearest_existing(Path(path).parent)  # a relative path ends at "."
+    if parent is None:
         return
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: {parent} is a file, not a folder; choose another {flag}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: cannot write in {parent}; choose another {flag} or make it writable")
+
+
+def nearest_existing(path: Path) -> Path | None:
+    """`path` itself or the nearest of its parents that exists (None: none does)."""
+    return next((p for p in (Path(path), *Path(path).parents) if p.exists()), None)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

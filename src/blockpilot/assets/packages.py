@@ -62,8 +62,10 @@ def usable_cache_dir() -> Path:
     Raises:
         UserError: the path, or the first of its parents that exists, is not a folder.
     """
+    from blockpilot.files import nearest_existing
+
     path = cache_dir()
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    existing = nearest_existing(path)
     if existing is not None and not existing.is_dir():
         from blockpilot.errors import UserError
 
