@@ -66,6 +66,24 @@ def test_answering_again_resumes_and_answers_each_prompt_once(engine, tmp_path):
     assert rows[:3] == first  # the earlier answers are kept as they were
 
 
+def test_answers_go_into_a_new_folder_as_every_other_command_s_output_does(engine, tmp_path):
+    prompts = _prompts_file(tmp_path)
+    out = tmp_path / "runs" / "new" / "answers.jsonl"
+    assert main(["answer", "--engine-dir", str(engine), "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "4", "--limit", "2"]) == 0
+    assert sorted(r["prompt"] for r in _rows(out)) == sorted(PROMPTS[:2])
+
+
+def test_an_existing_folder_as_out_ends_in_one_line_and_exit_2(engine, tmp_path, capsys):
+    prompts = _prompts_file(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert main(["answer", "--engine-dir", str(engine), "--prompts", str(prompts), "--out", str(tmp_path / "runs"),
+                 "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a folder" in err and len(err.splitlines()) == 1
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
 def test_prompts_too_long_for_the_engine_cache_are_skipped(engine, tmp_path, capsys):
     prompts = _prompts_file(tmp_path, ["short", "a much longer prompt than the tiny cache holds " * 2])
     out = tmp_path / "answers.jsonl"

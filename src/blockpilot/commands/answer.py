@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
                                       "; fix --temperature, --top-k or --top-p")
     device = resolve_device(args.device)
     prompts = load_train_prompts(args.prompts)[: args.limit]
-    if not args.out.parent.is_dir():
-        raise UserError(f"--out {args.out}: folder {args.out.parent} does not exist; create it first")
+    if args.out.is_dir():
+        raise UserError(f"--out {args.out} is a folder; give the answers file to write (a .jsonl path)")
     backend = args.backend
     if backend is None:
         backend = "onnxruntime" if device == "cpu" and (args.target is None or args.engine_dir) else "torch"

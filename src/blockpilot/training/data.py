@@ -133,6 +133,7 @@ def regenerate_answers(target_dir: Path, prompts: list[str], *, max_new_tokens: 
     todo = [(chat_prompt_ids(tokenizer, p, history=h), p, source, h)
             for p, source, h in _todo(prompts, sources, histories, _answered_prompts(out_path))]
     todo.sort(key=lambda item: len(item[0]))  # similar lengths share a batch: little padding
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a") as out, tqdm(total=len(todo), desc="answering prompts", unit="prompt") as bar:
         for start in range(0, len(todo), batch_size):
             if time_budget_s is not None and time.perf_counter() - began > time_budget_s:
@@ -202,6 +203,7 @@ def answer_with_runner(runner, tokenizer, prompts: list[str], *, max_new_tokens:
     decoder = BatchDecoder(runner, max_batch=batch_size)
     in_flight: dict[int, tuple] = {}
     skipped = 0
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a") as out, tqdm(total=len(todo), desc="answering prompts", unit="prompt") as bar:
         while todo or in_flight:
             while todo and len(decoder) < decoder.max_batch and not (
