@@ -1,0 +1,131 @@
+"""Chat prompts written by the target itself, for drafter training data closer to MT-Bench's first turns.
+
+The Magpie recipe (Xu et al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with
+Nothing"): an instruction-tuned model given only its chat template up to the start of a user turn writes a user
+query, drawn from what its own instruction tuning taught it users ask. SmolLM2-135M-Instruct was tuned on such
+data, so its queries are first-turn chat requests of every kind (advice, writing, code, maths, explanations) --
+the kind of prompt MT-Bench asks and ShareGPT's first turns (all of them already answered under `data/`) had.
+
+Queries are drawn by plain decoding on onnxruntime (the embedded engine dir unless `--engine-dir`), batched, at
+`--temperature`, and kept when the model ended its turn (`<|im_end|>`), the text is 16-2,000 characters, it is
+not a repeat (case and spacing ignored) and shares no 8-word run with a HumanEval problem or an MT-Bench turn
+(nor is one). Rows `{"prompt", "source": "magpie", "batch"}` are appended batch by batch; every batch has its
+own seeds (`--seed`, the batch number), so a stopped run resumes where it stopped and a rerun draws the same
+queries. Then answer them as any prompt file:
+
+    python scripts/magpie_prompts.py --out runs/magpie.jsonl --count 4000
+    blockpilot answer --prompts runs/magpie.jsonl --out runs/magpie-answers.jsonl --batch-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MARKER = "\x00QUERY\x00"
+MIN_CHARS, MAX_CHARS, SHINGLE = 16, 2000, 8
+
+
+def pre_query_ids(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where the user's text starts (with the template's default system
+    prompt, as `blockpilot answer` renders a prompt)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False)
+    return tokenizer(text[: text.index(MARKER)], add_special_tokens=False)["input_ids"]
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def shingles(text: str, n: int = SHINGLE) -> set[tuple[str, ...]]:
+    words = _words(text)
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def _normalised(text: str) -> str:
+    return " ".join(_words(text))
+
+
+class Filter:
+    """Decides which drawn queries are kept; remembers the kept ones (no repeats)."""
+
+    def __init__(self, evaluation: set[str], kept: list[str] = ()):
+        self.evaluation = {_normalised(t) for t in evaluation}
+        self.evaluation_shingles = set().union(*(shingles(t) for t in evaluation)) if evaluation else set()
+        self.seen = {_normalised(t) for t in kept}
+
+    def reason(self, text: str, ended: bool) -> str | None:
+        """Why `text` is left out, or None when it is kept (and then remembered)."""
+        if not ended:
+            return "unfinished"
+        if not MIN_CHARS <= len(text) <= MAX_CHARS:
+            return "length"
+        key = _normalised(text)
+        if key in self.evaluation or shingles(text) & self.evaluation_shingles:
+            return "evaluation"
+        if key in self.seen:
+            return "repeat"
+        self.seen.add(key)
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="prompt JSONL (appended to; resumes)")
+    ap.add_argument("--count", type=int, default=4000, help="stop once the file holds this many prompts")
+    ap.add_argument("--engine-dir", type=Path, default=None, help="default: the embedded model's")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="a longer query is left out as unfinished")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from blockpilot.assets.prompts import evaluation_texts
+    from blockpilot.builder.embedded import embedded_engine_dir
+    from blockpilot.runtime.runner import Runner
+
+    engine_dir = args.engine_dir or embedded_engine_dir()
+    runner = Runner.from_engine_dir(engine_dir, backend="onnxruntime", threads=args.threads, use_predictor=False)
+    tokenizer = AutoTokenizer.from_pretrained(engine_dir)
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prefix = pre_query_ids(tokenizer)
+    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
+    keep = Filter(evaluation_texts(), [r["prompt"] for r in rows])
+    batch = max((r["batch"] for r in rows), default=-1) + 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    left_out: dict[str, int] = {}
+    start = time.perf_counter()
+    while len(rows) < args.count:
+        out = runner.generate([torch.tensor(prefix)] * args.batch_size, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, top_p=args.top_p, end_id=end_id, block_size=1,
+                              random_seed=(args.seed << 32) + batch * args.batch_size, return_dict=True)
+        new = []
+        for i in range(args.batch_size):
+            ids = out["output_ids"][i, 0, len(prefix):int(out["sequence_lengths"][i, 0])].tolist()
+            ended = bool(ids) and ids[-1] == end_id
+            text = tokenizer.decode(ids[:-1] if ended else ids).strip()
+            reason = keep.reason(text, ended)
+            if reason is None:
+                new.append({"prompt": text, "source": "magpie", "batch": batch})
+            else:
+                left_out[reason] = left_out.get(reason, 0) + 1
+        with args.out.open("a") as stream:  # one batch at a time: a stop loses at most the batch in flight
+            stream.writelines(json.dumps(r) + "\n" for r in new)
+        rows += new
+        batch += 1
+        print(f"batch {batch}: {len(rows)} prompts, left out {left_out}, {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
