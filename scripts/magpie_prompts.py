@@ -11,7 +11,7 @@ Queries are drawn by plain decoding on onnxruntime (the embedded engine dir unle
 not a repeat (case and spacing ignored) and shares no 8-word run with a HumanEval problem or an MT-Bench turn
 (nor is one). Rows `{"prompt", "source": "magpie", "batch"}` are appended batch by batch; every batch has its
 own seeds (`--seed`, the batch number), so a stopped run resumes where it stopped and a rerun draws the same
-queries. Then answer them as any prompt file:
+queries. `<|im_end|>` above is the target's end-of-sequence token. Then answer them as any prompt file:
 
     python scripts/magpie_prompts.py --out runs/magpie.jsonl --count 4000
     blockpilot answer --prompts runs/magpie.jsonl --out runs/magpie-answers.jsonl --batch-size 16
@@ -35,6 +35,10 @@ MIN_CHARS, MAX_CHARS, SHINGLE = 16, 2000, 8
 def pre_query_ids(tokenizer) -> list[int]:
     """Token ids of the chat template up to where the user's text starts (with the template's default system
     prompt, as `blockpilot answer` renders a prompt)."""
+    from blockpilot.errors import UserError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the target's tokenizer has no chat template; queries are drawn from a chat model's template")
     text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False)
     return tokenizer(text[: text.index(MARKER)], add_special_tokens=False)["input_ids"]
 
@@ -75,7 +79,7 @@ class Filter:
         return None
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="prompt JSONL (appended to; resumes)")
     ap.add_argument("--count", type=int, default=4000, help="stop once the file holds this many prompts")
@@ -86,25 +90,44 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def check_args(args: argparse.Namespace) -> None:
+    from blockpilot.errors import UserError
+    from blockpilot.runtime.sampling import SamplingParams
+
+    for name in ("count", "batch_size", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
+    if SamplingParams.checked(args.temperature, 0, args.top_p, "; fix --temperature or --top-p").greedy:
+        raise UserError("--temperature 0 writes the same query every time; draw them at a temperature > 0")
+    if args.out.is_dir():
+        raise UserError(f"--out {args.out} is a folder; give the prompt file to write (a .jsonl path)")
+
+
+def draw(args: argparse.Namespace) -> int:
+    """Append batches of kept queries to `args.out` until it holds `args.count`; returns how many it holds."""
     from transformers import AutoTokenizer
 
     from blockpilot.assets.prompts import evaluation_texts
     from blockpilot.builder.embedded import embedded_engine_dir
+    from blockpilot.errors import UserError
     from blockpilot.runtime.runner import Runner
 
     engine_dir = args.engine_dir or embedded_engine_dir()
     runner = Runner.from_engine_dir(engine_dir, backend="onnxruntime", threads=args.threads, use_predictor=False)
     tokenizer = AutoTokenizer.from_pretrained(engine_dir)
-    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end_id = runner.end_id  # the end of a turn: <|im_end|> for SmolLM2
+    if end_id is None:
+        raise UserError(f"{engine_dir}: the target's config.json names no eos_token_id, which ends a query")
     prefix = pre_query_ids(tokenizer)
     rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
     keep = Filter(evaluation_texts(), [r["prompt"] for r in rows])
     batch = max((r["batch"] for r in rows), default=-1) + 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     left_out: dict[str, int] = {}
-    start = time.perf_counter()
+    start, barren = time.perf_counter(), 0
     while len(rows) < args.count:
         out = runner.generate([torch.tensor(prefix)] * args.batch_size, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p, end_id=end_id, block_size=1,
@@ -123,9 +146,28 @@ def main() -> None:
             stream.writelines(json.dumps(r) + "\n" for r in new)
         rows += new
         batch += 1
+        barren = 0 if new else barren + 1
         print(f"batch {batch}: {len(rows)} prompts, left out {left_out}, {time.perf_counter() - start:.0f} s",
               file=sys.stderr, flush=True)
+        if barren == 10:
+            raise UserError(f"10 batches in a row kept no query (left out: {left_out}); raise --max-new-tokens or "
+                            "--temperature")
+    return len(rows)
+
+
+def main(argv=None) -> int:
+    from blockpilot.errors import UserError
+
+    args = parse_args(argv)
+    try:
+        check_args(args)
+        count = draw(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{count} prompts in {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
