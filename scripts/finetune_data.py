@@ -23,7 +23,8 @@ stage 11, session 31, trained on them alone and was not shipped) and 1,301 later
 stage 12 (session 32, shipped) trained on all three with `--focus`: 5,007 rows, md5 256491c2.... Sessions 33-42
 added the sixth later-turn file and package-code files 5-9 (stages 13-15 read some of them as `--focus`); files 6-9
 joined `PACKAGE_CODE` only in session 42 (until then the default output, 34,349 rows, left their 3,232 rows out).
-Session 43 added package-code file 10, session 44 file 11.
+Session 43 added package-code file 10, session 44 file 11 and the answers to the target's own chat queries
+(`MAGPIE`, `scripts/magpie_prompts.py`).
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -60,6 +61,7 @@ PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz", "data/smollm2
                 "data/smollm2-package-code-answers7-1086.jsonl.gz", "data/smollm2-package-code-answers8-1485.jsonl.gz",
                 "data/smollm2-package-code-answers9-3517.jsonl.gz",
                 "data/smollm2-package-code-answers10-1148.jsonl.gz", "data/smollm2-package-code-answers11-192.jsonl.gz"]
+MAGPIE = ["data/smollm2-magpie-answers-1024.jsonl.gz"]
 LABEL_SETS = ["runs/predictor/heldout.jsonl", "runs/predictor/stdlib-300.jsonl", "runs/predictor/sharegpt-new-300.jsonl",
               "runs/predictor/sharegpt-open-300.jsonl", "data/smollm2-champ-answers-270.jsonl.gz"]
 MATH_KEPT = 600
@@ -119,6 +121,7 @@ def main() -> None:
     opening = {row["prompt"] for row in label_rows if not row.get("history")}
     files = ANSWERS + ([] if args.first_turns_only else LATER_TURNS)
     files += [] if args.first_turns_only or args.no_package_code else PACKAGE_CODE
+    files += [] if args.first_turns_only else MAGPIE
     kept = thin_math(training_rows([f for f in files if f not in args.focus], excluded, opening), args.seed)
     if args.focus:
         kept = focused(training_rows(args.focus, excluded, opening), kept, args.replay, args.seed, args.mix_size)

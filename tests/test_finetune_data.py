@@ -66,7 +66,7 @@ def test_a_small_focus_set_is_topped_up_with_replay_rows_to_the_mix_size(script)
 
 
 def test_every_answer_file_in_data_is_training_data_or_a_label_set(script):
-    listed = set(script.ANSWERS + script.LATER_TURNS + script.PACKAGE_CODE + script.LABEL_SETS)
+    listed = set(script.ANSWERS + script.LATER_TURNS + script.PACKAGE_CODE + script.MAGPIE + script.LABEL_SETS)
     held = {f"data/{path.name}" for path in (script.ROOT / "data").glob("*.jsonl.gz")}
     assert held - listed == set(), "a new answers file in data/ that scripts/finetune_data.py does not read"
     assert {path for path in listed if path.startswith("data/")} <= held
