@@ -79,6 +79,23 @@ class Filter:
         return None
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows a run wrote to `path` (to resume it)."""
+    from blockpilot.errors import UserError
+
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            row = {}
+        if row is not None and not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
+                                    and isinstance(row.get("batch"), int)):
+            raise UserError(f"{path}:{number} is not a row this script writes; give a new --out or this script's own")
+        rows += [row] if row is not None else []
+    return rows
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="prompt JSONL (appended to; resumes)")
@@ -122,7 +139,7 @@ def draw(args: argparse.Namespace) -> int:
     if end_id is None:
         raise UserError(f"{engine_dir}: the target's config.json names no eos_token_id, which ends a query")
     prefix = pre_query_ids(tokenizer)
-    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
+    rows = read_rows(args.out) if args.out.exists() else []
     keep = Filter(evaluation_texts(), [r["prompt"] for r in rows])
     batch = max((r["batch"] for r in rows), default=-1) + 1
     args.out.parent.mkdir(parents=True, exist_ok=True)

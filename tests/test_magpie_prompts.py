@@ -73,6 +73,17 @@ def test_bad_options_end_in_one_line_and_exit_2(script, tmp_path, capsys, extra,
     assert not out.exists()
 
 
+def test_resuming_a_file_it_did_not_write_ends_in_one_line(script, tmp_path):
+    out = tmp_path / "prompts.jsonl"
+    out.write_text(json.dumps({"prompt": "a ShareGPT turn", "source": "sharegpt"}) + "\n")
+    from blockpilot.errors import UserError
+
+    with pytest.raises(UserError, match=r"prompts.jsonl:1 is not a row this script writes"):
+        script.read_rows(out)
+    out.write_text(json.dumps({"prompt": "hi there, how are you?", "source": "magpie", "batch": 0}) + "\n\n")
+    assert [r["batch"] for r in script.read_rows(out)] == [0]
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from builder_fixtures import tiny_engine_dir
