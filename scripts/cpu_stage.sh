@@ -7,7 +7,11 @@
 #      (scripts/finetune_data.py; it leaves out the predictor's label sets, so runs/predictor/ must hold them:
 #      when they are missing, `SETS_ONLY=1 scripts/make_predictor.sh` writes them first, in seconds)
 #   2. `blockpilot train-drafter` from DRAFTER: the target's taps first (~1,100 tokens/s on a 2-core AMD EPYC), then
-#      BUDGET minutes of steps; rerun the script after an interruption and it resumes from the last checkpoint
+#      BUDGET minutes of steps; rerun the script after an interruption and it resumes from the last checkpoint.
+#      With LAYERS above DRAFTER's depth, DRAFTER is first deepened to LAYERS (scripts/grow_drafter.py -> $C/init,
+#      drafting exactly as DRAFTER) and trained from there. With MAX_STEPS the cosine schedule is that many steps
+#      whatever the budget, so a run longer than one sitting goes on along the same schedule when the script is
+#      rerun (BUDGET then caps the minutes of all sittings together)
 #   3. the fine-tune averaged with its start (scripts/interpolate_drafters.py --alpha ALPHA) -> $C/soup
 #   4. exact greedy replay of $C/soup on all 164 HumanEval problems and all 80 MT-Bench first turns, 128 new tokens,
 #      at BLOCKS (scripts/eval_drafter.py, one single-threaded process per set, both at once)
@@ -18,9 +22,12 @@
 # (the predictor is pinned to the drafter's weights).
 #
 #   FOCUS="data/new-a.jsonl.gz data/new-b.jsonl.gz" C=~/.cache/blockpilot/train-runs/s29 SEED=10 scripts/cpu_stage.sh
+#   # a 5-layer run of 4,000 steps over several sittings (stage 17; rerun the same line to go on):
+#   FOCUS="..." REPLAY=3000 MIX=0 MIX_SEED=17 LAYERS=5 MAX_STEPS=4000 BUDGET=600 C=... SEED=17 scripts/cpu_stage.sh
 #
 # Environment (defaults in brackets): FOCUS (required)  C [~/.cache/blockpilot/train-runs/stage]  REPLAY [1000]
-#   MIX [4000]  BUDGET [45] minutes of steps  SEED [0] the trainer's  LR [2e-4]  SEQS [16]  ANCHORS [32]  VALID [64]
+#   MIX [4000]  MIX_SEED [0] the mix's shuffle  BUDGET [45] minutes of steps  MAX_STEPS [fitted to BUDGET]
+#   LAYERS [DRAFTER's]  SEED [0] the trainer's  LR [2e-4]  SEQS [16]  ANCHORS [32]  VALID [64]  EVAL_EVERY [10] minutes
 #   ALPHA [0.5]  BLOCKS [2,3,4,6,8]  SETS [humaneval mtbench]  LIMIT [all] prompts per set (quick checks)
 #   BASE_EVAL [replay DRAFTER]  DRAFTER [the shipped drafter]  ANSWERS_DIR [~/.cache/blockpilot/eval/answers] the
 #   target's greedy answers to the sets (made once, ~6 minutes, then reused)
@@ -33,6 +40,10 @@ C=${C:-$HOME/.cache/blockpilot/train-runs/stage}
 REPLAY=${REPLAY:-1000}
 MIX=${MIX:-4000}
 BUDGET=${BUDGET:-45}
+MAX_STEPS=${MAX_STEPS:-}
+LAYERS=${LAYERS:-}
+MIX_SEED=${MIX_SEED:-0}
+EVAL_EVERY=${EVAL_EVERY:-10}
 SEED=${SEED:-0}
 LR=${LR:-2e-4}
 SEQS=${SEQS:-16}
@@ -50,17 +61,24 @@ log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$C/stage.log"; }
 if [ ! -s "$C/mix.jsonl" ]; then
   [ -f runs/predictor/heldout.jsonl ] || SETS_ONLY=1 PY="$PY" scripts/make_predictor.sh | tee -a "$C/stage.log"
   focus=(); for f in $FOCUS; do focus+=(--focus "$f"); done
-  $PY scripts/finetune_data.py "${focus[@]}" --replay "$REPLAY" --mix-size "$MIX" --out "$C/mix.jsonl.tmp" | tee -a "$C/stage.log"
+  $PY scripts/finetune_data.py "${focus[@]}" --replay "$REPLAY" --mix-size "$MIX" --seed "$MIX_SEED" --out "$C/mix.jsonl.tmp" | tee -a "$C/stage.log"
   mv "$C/mix.jsonl.tmp" "$C/mix.jsonl"
 fi
 log "mix: $(wc -l < "$C/mix.jsonl") answers, md5 $(md5sum < "$C/mix.jsonl" | cut -c1-8)"
 
+depth() { $PY -c 'import json, sys; print(json.load(open(sys.argv[1] + "/config.json"))["num_hidden_layers"])' "$1"; }
+if [ -n "$LAYERS" ] && [ "$LAYERS" != "$(depth "$DRAFTER")" ]; then  # deepen first; train and average from there
+  [ -d "$C/init" ] || $PY scripts/grow_drafter.py --drafter "$DRAFTER" --layers "$LAYERS" --out "$C/init" | tee -a "$C/stage.log"
+  DRAFTER=$C/init
+fi
+
 if [ ! -f "$C/finetune/model.safetensors" ]; then
   resume=(); [ -f "$C/work/checkpoint/train_state.pt" ] && resume=(--resume)
-  log "train-drafter ${resume[*]:-(from $DRAFTER)}, $BUDGET minutes of steps"
-  $BP train-drafter --init-from "$DRAFTER" --answers "$C/mix.jsonl" --out "$C/finetune" --work-dir "$C/work" \
+  log "train-drafter ${resume[*]:-(from $DRAFTER)}, $BUDGET minutes of steps${MAX_STEPS:+, a $MAX_STEPS-step schedule}"
+  $BP train-drafter --init-from "$DRAFTER" --layers "$(depth "$DRAFTER")" --answers "$C/mix.jsonl" --out "$C/finetune" --work-dir "$C/work" \
     --block-size 8 --time-budget "$BUDGET" --sequences-per-step "$SEQS" --anchors "$ANCHORS" --lr "$LR" \
-    --valid "$VALID" --eval-every 10 --checkpoint-every 5 --seed "$SEED" --device cpu "${resume[@]}" \
+    --valid "$VALID" --eval-every "$EVAL_EVERY" --checkpoint-every 5 --seed "$SEED" --device cpu \
+    ${MAX_STEPS:+--max-steps "$MAX_STEPS"} "${resume[@]}" \
     2> >(stdbuf -oL tr '\r' '\n' | grep --line-buffered -v "%|" >> "$C/train.log") | tee -a "$C/stage.log"
 fi
 [ -d "$C/soup" ] || $PY scripts/interpolate_drafters.py --a "$DRAFTER" --b "$C/finetune" --alpha "$ALPHA" --out "$C/soup"
