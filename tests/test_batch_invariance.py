@@ -5,7 +5,8 @@ tokens the forward carried: otherwise a near-tie can go one way in a K = 1 step 
 K = 8 verify. The paths offered as lossless are checked bit for bit:
 
     onnxruntime fp32   every forward runs >= 2 rows (one padding row for plain decoding)
-    torch bf16         every forward after prefill runs `max_block_size` rows over the whole cache
+    torch bf16         attention after prefill runs `max_block_size` query rows over the whole cache, and
+                       so do the products unless this CPU's round every row alike for any row count
 
 (torch fp16 on the CPU is refused for speculation: its rows differ even at one fixed shape.)
 
@@ -43,10 +44,17 @@ def tiny_path(tmp_path_factory, path: str):
     if path == "onnxruntime-fp32":
         return Runner.from_dir(tiny_engine_dir(tmp_path_factory, "llama", 24), backend="onnxruntime")
     target, drafter = tiny_models(tmp_path_factory, "llama")
+    if path == "torch-bf16-padded":  # every product padded too, as where the products' rows round unlike
+        from blockpilot.models.checkpoint import load_drafter, load_target
+        from blockpilot.runtime.backend import TorchBackend
+
+        backend = TorchBackend(load_target(target, dtype=torch.bfloat16), load_drafter(drafter, dtype=torch.bfloat16),
+                               8, fixed_shape=True, pad_products=True)
+        return Runner(backend)
     return Runner.from_dir(target, drafter_dir=drafter, dtype=torch.bfloat16, max_block_size=8)
 
 
-LOSSLESS_PATHS = ["onnxruntime-fp32", "torch-bf16"]
+LOSSLESS_PATHS = ["onnxruntime-fp32", "torch-bf16", "torch-bf16-padded"]
 
 
 @pytest.mark.parametrize("path", LOSSLESS_PATHS)
@@ -78,7 +86,7 @@ def test_greedy_speculation_equals_plain_decoding_at_every_block_size(tmp_path_f
 def test_padding_rows_leave_no_trace_in_the_committed_cache(tmp_path_factory):
     """A plain decoding step's padding row writes one position past the token; the next step
     overwrites it, so decoding token by token gives the same cache as one prefill of everything."""
-    backend = tiny_path(tmp_path_factory, "torch-bf16").backend
+    backend = tiny_path(tmp_path_factory, "torch-bf16-padded").backend
     tokens = PROMPT + [7, 30, 2]
     stepped = backend.new_state(1, 16)
     backend.prefill(stepped, torch.tensor([PROMPT]))
@@ -135,11 +143,15 @@ def test_smollm2_verify_rows_equal_plain_decoding_steps_bit_for_bit(path):
 
 
 @pytest.mark.parametrize("path", LOSSLESS_PATHS)
-def test_one_row_plain_decoding_drops_the_padding_rows_that_plain_decoding_runs(tmp_path_factory, path):
+def test_one_row_plain_decoding_drops_the_padding_rows_that_plain_decoding_runs(tmp_path_factory, path, monkeypatch):
     """`one_row_plain` (profile baseline ar-1row) runs each plain step as one row; `ar` pads it to the
-    rows every verify step has, so that it rounds like them."""
+    rows every verify step has, so that it rounds like them (torch bf16: the attention's query rows, and
+    the products' rows too where they do not round alike for every row count)."""
+    import torch.nn.functional as F
+
     runner = tiny_path(tmp_path_factory, path)
     padded, one_row = runner.backend, runner.backend.one_row_plain()
+    sdpa = F.scaled_dot_product_attention
     rows_per_call = {}
     for name, backend in (("padded", padded), ("one_row", one_row)):
         state = backend.new_state(1, len(PROMPT) + 4)
@@ -151,6 +163,8 @@ def test_one_row_plain_decoding_drops_the_padding_rows_that_plain_decoding_runs(
             model.run = lambda inputs, caches: calls.append(inputs["input_ids"].shape[1]) or run(inputs, caches)
         else:
             handle = model.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[1]))
+            monkeypatch.setattr(F, "scaled_dot_product_attention",
+                                lambda q, *a, **kw: calls.append(("attention", q.shape[2])) or sdpa(q, *a, **kw))
         try:
             backend.verify(state, torch.tensor([[7]]), len(PROMPT))
         finally:
@@ -158,6 +172,12 @@ def test_one_row_plain_decoding_drops_the_padding_rows_that_plain_decoding_runs(
                 del model.run
             else:
                 handle.remove()
+                monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
         rows_per_call[name] = calls
-    assert rows_per_call["one_row"] == [1]
-    assert rows_per_call["padded"] == [2 if path == "onnxruntime-fp32" else padded.fixed_rows]
+    if path == "onnxruntime-fp32":
+        assert rows_per_call == {"one_row": [1], "padded": [2]}
+        return
+    layers = padded.target_config.num_hidden_layers
+    assert rows_per_call["one_row"] == [("attention", 1)] * layers + [1]
+    assert padded.attention_rows == padded.max_block_size
+    assert rows_per_call["padded"] == [("attention", padded.attention_rows)] * layers + [padded.fixed_rows or 1]

@@ -147,7 +147,7 @@ def test_a_group_whose_longest_request_left_shrinks_its_caches_and_keeps_each_ou
     requests = [GenerationRequest(long_prompt, 3, block_size=3, end_id=None),  # leaves within two steps
                 GenerationRequest(PROMPTS[1], 14, block_size=3, end_id=None),
                 GenerationRequest(PROMPTS[3], 12, block_size=3, end_id=None)]
-    room = max(3, getattr(runner.backend, "fixed_rows", None) or 1)  # as `BatchDecoder.add` sizes a request
+    room = max(3, getattr(runner.backend, "attention_rows", None) or 1)  # as `BatchDecoder.add` sizes a request
     need = [len(r.input_ids) + r.max_new_tokens + room for r in requests]
     decoder = BatchDecoder(runner)
     ids = [decoder.add(r) for r in requests]

@@ -60,3 +60,45 @@ def test_bf16_runner_packs_its_weights_and_an_fp32_runner_does_not(tmp_path_fact
     fp32 = Runner.from_dir(target, drafter_dir=drafter, max_block_size=8).backend
     assert bf16.packed and isinstance(bf16.target.lm_head, PackedLinear) and isinstance(bf16.draft_head, PackedLinear)
     assert not fp32.packed and isinstance(fp32.target.lm_head, torch.nn.Linear)
+
+
+@needs_onednn_bf16
+def test_a_product_split_into_chunks_of_inputs_gives_the_same_numbers_within_bf16_rounding():
+    from blockpilot.models.packed import split_long_products
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(64, 1536, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(5, 1536, generator=generator).bfloat16()
+    layer = torch.nn.Sequential(PackedLinear(weight))
+    whole = layer(x)
+    assert [name for _, name, _ in split_long_products(layer)] == ["0"]
+    assert layer[0].chunks == [(0, 768), (768, 1536)]
+    exact = x.float() @ weight.float().T
+    assert (layer(x).float() - exact).abs().max() <= 4 * (whole.float() - exact).abs().max() + 1e-2
+    assert split_long_products(layer) == []  # products already split, or short enough, are left alone
+
+
+@needs_onednn_bf16
+def test_rows_round_alike_catches_a_product_whose_rows_depend_on_the_row_count():
+    from blockpilot.models.packed import rows_round_alike
+
+    layer = torch.nn.Sequential(PackedLinear((torch.randn(32, 48) * 0.1).bfloat16()))
+    assert rows_round_alike(layer, [1, 2, 3, 8])  # 48 input features: one kernel for every row count
+    product = layer[0].forward
+    layer[0].forward = lambda x: product(x) + (x.reshape(-1, 48).shape[0] > 2)  # rows of calls of 3+ rows differ
+    assert not rows_round_alike(layer, [1, 2, 3, 8])
+    assert rows_round_alike(layer, [1, 2])
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("alike", [True, False])
+def test_bf16_backend_pads_products_only_where_their_rows_round_unlike(tmp_path_factory, monkeypatch, alike):
+    from blockpilot.runtime import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "rows_round_alike", lambda module, counts: alike)
+    target, drafter = tiny_models(tmp_path_factory, "llama")
+    backend = Runner.from_dir(target, drafter_dir=drafter, dtype=torch.bfloat16, max_block_size=8).backend
+    assert backend.attention_rows == 8  # attention always runs the fixed shape over the whole cache
+    assert backend.fixed_rows == (None if alike else 8)
+    assert backend.pad_rows == (0 if alike else 7)
+    assert backend.max_batch == (4 if alike else 1 << 16)

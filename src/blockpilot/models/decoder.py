@@ -58,6 +58,15 @@ def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     return (keys[None, None, :] <= positions[:, :, None])[:, None]
 
 
+def padded_positions(positions: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """`positions` `(T,)` or `(B, T)` extended to `rows` along T by repeating the last one (None or
+    `rows <= T`: as they are)."""
+    t = positions.shape[-1]
+    if rows is None or rows <= t:
+        return positions
+    return torch.cat((positions, positions[..., -1:].expand(*positions.shape[:-1], rows - t)), dim=-1)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -66,13 +75,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, kv_len: int, mask):
+    def forward(self, x, cos, sin, positions, k_cache, v_cache, kv_len: int, mask, attention_rows: int | None = None):
         attn = self.self_attn
         h = self.input_layernorm(x)
         q, k, v = attn.query_key_value(h, cos, sin)
         k_all = write_cache(k_cache, positions, k)[:, :, :kv_len]
         v_all = write_cache(v_cache, positions, v)[:, :, :kv_len]
-        x = x + attn.attend(q, k_all, v_all, mask)
+        x = x + attn.attend(q, k_all, v_all, mask, attention_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -109,18 +118,21 @@ class Decoder(nn.Module):
         cache: KVCache,
         kv_len: int,
         tap_layers: tuple[int, ...] = (),
+        attention_rows: int | None = None,
     ) -> DecoderOutput:
         """Run `embeds` `(B, T, H)` at `positions` `(T,)` (or `(B, T)`, one row of positions per
         sequence), attending over cache `[0, kv_len)`.
 
         K/V of the new tokens are written into `cache` at `positions` first, so `kv_len` must
         cover them. Tapped outputs are those of layers `tap_layers` (HF `hidden_states[l + 1]`).
+        `attention_rows` (>= T): the attention kernels run that many query rows (`Attention.attend`);
+        the padding rows see what the last real row sees and write nothing.
         """
         cos, sin = rope_for_heads(self.rope(positions, embeds.dtype))
-        mask = causal_mask(positions, kv_len)
+        mask = causal_mask(padded_positions(positions, attention_rows), kv_len)
         taps, x = [], embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, cache.k[i], cache.v[i], kv_len, mask)
+            x = layer(x, cos, sin, positions, cache.k[i], cache.v[i], kv_len, mask, attention_rows)
             if i in tap_layers:
                 taps.append(x)
         ordered = [taps[sorted(tap_layers).index(t)] for t in tap_layers] if taps else None

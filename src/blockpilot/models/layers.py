@@ -131,13 +131,20 @@ class Attention(nn.Module):
         return k, self._heads(x, self.v_proj, self.n_kv, None)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, rows: int | None = None
     ) -> torch.Tensor:
-        """Output projection of softmax attention; `mask` `(T, S)` bool, True = visible."""
+        """Output projection of softmax attention; `mask` `(T, S)` bool, True = visible (or `(rows, S)`).
+
+        `rows`: run the attention kernel on that many query rows, `q` padded with zero rows that `mask`
+        must also cover, and keep the first T: the kernel then rounds every real row alike whatever T is
+        (the projections around it round each row alike by themselves; see `TorchBackend`)."""
+        t = q.shape[2]
+        if rows is not None and rows > t:
+            q = F.pad(q, (0, 0, 0, rows - t))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads
-        )  # (B, nh, T, hd)
-        b, _, t, _ = out.shape
+        )[:, :, :t]  # (B, nh, T, hd)
+        b = out.shape[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

@@ -37,20 +37,34 @@ class PackedLinear(nn.Module):
     weight, such as a tied LM head; the packed copy is what the product uses.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rows_hint: int = 16):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rows_hint: int = 16,
+                 max_in: int | None = None):
         super().__init__()
         if not can_pack(weight):
             raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device} (needs bf16 on a oneDNN CPU)")
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows_hint)
+        self.rows_hint = rows_hint
+        # `max_in`: products over at most that many input features each, the first one's result added into
+        # the next by oneDNN's fused "add" (one more bf16 rounding a chunk); see `split_long_products`
+        count = 1 if max_in is None else -(-self.in_features // max_in)
+        edges = [round(i * self.in_features / count) for i in range(count + 1)]
+        self.chunks = list(zip(edges, edges[1:]))
+        self.packed = [torch.ops.mkldnn._reorder_linear_weight(self.weight[:, a:b].contiguous(), rows_hint)
+                       for a, b in self.chunks]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.bfloat16:
             flat = flat.to(torch.bfloat16)
-        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, self.bias, "none", [], "")
+        if len(self.chunks) == 1:
+            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed[0], self.bias, "none", [], "")
+        else:
+            (a, b), *rest = self.chunks
+            out = torch.ops.mkldnn._linear_pointwise(flat[:, a:b].contiguous(), self.packed[0], self.bias, "none", [], "")
+            for (a, b), packed in zip(rest, self.packed[1:]):
+                out = torch.ops.mkldnn._linear_pointwise.binary(flat[:, a:b].contiguous(), out, packed, None, "add")
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -77,3 +91,42 @@ def pack_linears(module: nn.Module, rows_hint: int = 16) -> int:
             parent.gate_up = PackedLinear(parent.gate_up, None, rows_hint)
             count += 1
     return count
+
+
+ROW_ALIKE_MAX_IN = 1024
+"""oneDNN's bf16 products over more input features than this split their reduction in a way that rounds some
+rows of a multi-row call unlike the same row alone (on a 2-core Intel Xeon with AVX512-BF16: 1,152 and more,
+e.g. SmolLM2's 1,536-wide down projection, rows 2, 5, ... of a call of 3+ rows); up to 1,024 every row
+rounds alike."""
+
+
+def split_long_products(module: nn.Module, max_in: int = ROW_ALIKE_MAX_IN) -> list[tuple[nn.Module, str, PackedLinear]]:
+    """Replace every `PackedLinear` under `module` over more than `max_in` input features by one computed in
+    chunks of at most `max_in` (`PackedLinear`'s `max_in`), in place. Returns `(parent, name, replaced layer)`
+    of each, so that `setattr` can put them back."""
+    replaced = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear) and len(child.chunks) == 1 and child.in_features > max_in:
+                setattr(parent, name, PackedLinear(child.weight, child.bias, child.rows_hint, max_in))
+                replaced.append((parent, name, child))
+    return replaced
+
+
+def rows_round_alike(module: nn.Module, row_counts: list[int], seed: int = 0) -> bool:
+    """True when every `PackedLinear` under `module` gives each row of a call the bits it gives that row
+    alone, for calls of every count of rows in `row_counts` (checked on random inputs, once per weight
+    shape). oneDNN picks its bf16 kernel by shape; where this holds, a speculative step's products need no
+    padding rows to round like plain decoding's."""
+    generator = torch.Generator().manual_seed(seed)
+    largest, seen = max(row_counts), set()
+    for layer in module.modules():
+        key = (layer.in_features, layer.out_features, len(layer.chunks)) if isinstance(layer, PackedLinear) else None
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        x = torch.randn(largest, layer.in_features, generator=generator).to(torch.bfloat16)
+        alone = torch.cat([layer(x[i: i + 1]) for i in range(largest)])
+        if not all(torch.equal(layer(x[:m]), alone[:m]) for m in row_counts):
+            return False
+    return True

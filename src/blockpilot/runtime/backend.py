@@ -20,7 +20,7 @@ import torch
 from blockpilot.models.config import DecoderConfig, DrafterConfig
 from blockpilot.models.decoder import Decoder, KVCache
 from blockpilot.models.dflash import DFlashDrafter, draft_logits, greedy_draft_tokens, logits_draft_tokens
-from blockpilot.models.packed import PackedLinear, can_pack, pack_linears
+from blockpilot.models.packed import PackedLinear, can_pack, pack_linears, rows_round_alike, split_long_products
 
 
 @dataclasses.dataclass
@@ -138,6 +138,12 @@ def merge_tensor_caches(caches: list[list[torch.Tensor]], seq_axis: int = 2) -> 
     return merged
 
 
+def product_row_counts(block_rows: int) -> list[int]:
+    """The row counts whose products must round alike for speculation without padding rows: every block
+    of one request (1..`block_rows`) and batches of up to 4 full blocks."""
+    return [*range(1, block_rows + 1), 2 * block_rows, 4 * block_rows]
+
+
 class TorchBackend:
     """Runs `models/` directly (CPU or CUDA): the reference backend.
 
@@ -147,7 +153,13 @@ class TorchBackend:
     attention over `start + K` keys round differently per shape otherwise (measured on SmolLM2:
     rows of a K = 8 verify differ from K = 1 steps by up to 5e-5 in fp32, more in bf16). Reduced
     precision uses it by default (`Runner.from_dir`), where products cost about the same for 1 and
-    16 rows; fp32 without it is the fast reference, exact up to such rounding.
+    16 rows; fp32 without it is the fast reference, exact up to such rounding. Where this CPU's packed
+    bf16 products give every row the same bits for any row count (`models.packed.rows_round_alike`,
+    checked when the backend is made), only attention keeps the fixed shape (`Decoder.forward`'s
+    `attention_rows`): the products run the step's own rows, so a plain decoding step costs what one
+    row costs (on a 2-core Intel Xeon with AVX512-BF16 the products of 16 rows took 32.6 ms, of one
+    14.6), and batches are capped at 4 requests, the most rows the check covers. `pad_products=True` keeps
+    the whole step at the fixed shape whatever the check would say.
 
     bf16 weights on a CPU with oneDNN's bf16 products are prepacked once (`pack_weights`, default:
     whenever possible; q/k/v and gate/up fused first; `models.packed`): same results, about 1.3x
@@ -158,7 +170,7 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, target: Decoder, drafter: DFlashDrafter | None, max_block_size: int | None = None,
-                 fixed_shape: bool = False, pack_weights: bool | None = None):
+                 fixed_shape: bool = False, pack_weights: bool | None = None, pad_products: bool | None = None):
         self.target = target
         self.drafter = drafter
         self.target_config = target.config
@@ -166,9 +178,6 @@ class TorchBackend:
         self.tap_layers = self.drafter_config.target_layer_ids if drafter is not None else ()
         self.max_block_size = max_block_size or (2 * self.drafter_config.block_size if drafter else 1)
         self.fixed_rows = self.max_block_size if fixed_shape else None
-        self.pad_rows = (self.fixed_rows or 1) - 1  # cache positions padding rows may write past a block
-        self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30) - self.pad_rows
-        self.max_batch = 1 << 16
         self.device = target.embed_tokens.weight.device
         self.dtype = target.embed_tokens.weight.dtype
         self.draft_head = drafter.draft_head_weight(target.lm_head.weight) if drafter is not None else None  # (N, H)
@@ -182,6 +191,19 @@ class TorchBackend:
             if drafter is not None:
                 pack_linears(drafter, rows)
                 self.draft_head = PackedLinear(self.draft_head, None, rows)
+        # the query rows attention runs at over the whole cache (None: over the positions so far)
+        self.attention_rows = self.fixed_rows
+        if self.fixed_rows and self.packed and not pad_products:
+            split = split_long_products(target)
+            if rows_round_alike(target, product_row_counts(self.fixed_rows)):
+                self.fixed_rows = None  # products at the step's own rows, attention alone at the fixed shape
+            else:
+                for parent, name, layer in split:  # the whole step at the fixed shape, as the products were
+                    setattr(parent, name, layer)
+        self.pad_rows = (self.fixed_rows or 1) - 1  # cache positions padding rows may write past a block
+        self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30) - self.pad_rows
+        # rows of a batched verify beyond what `product_row_counts` checked would not be known to round alike
+        self.max_batch = 4 if self.attention_rows and not self.fixed_rows else 1 << 16
 
     def supports_block_size(self, block_size: int) -> bool:
         return 1 <= block_size <= self.max_block_size
@@ -190,7 +212,7 @@ class TorchBackend:
         """A copy (same models) whose steps run only their own rows over the positions so far, not the
         fixed shape: the fastest plain decoding, which may round unlike the verify steps; a baseline only."""
         one = copy.copy(self)
-        one.fixed_rows, one.pad_rows = None, 0
+        one.fixed_rows, one.pad_rows, one.attention_rows = None, 0, None
         one.max_capacity = self.max_capacity + self.pad_rows
         return one
 
@@ -267,12 +289,12 @@ class TorchBackend:
         b, k = block_ids.shape
         ids = padded_block(block_ids, self.fixed_rows or k)
         rows = ids.shape[1]
-        kv_len = state.target_cache.capacity if self.fixed_rows else last_position(start) + k
+        kv_len = state.target_cache.capacity if self.attention_rows else last_position(start) + k
         if isinstance(start, int):
             positions = torch.arange(start, start + rows, device=self.device)
         else:
             positions = row_positions(start, rows, b, self.device)
-        out = t(t.embed_tokens(ids), positions, state.target_cache, kv_len, self.tap_layers)
+        out = t(t.embed_tokens(ids), positions, state.target_cache, kv_len, self.tap_layers, self.attention_rows)
         hidden = out.hidden[:, :k]
         taps = out.taps[:, :k] if out.taps is not None else hidden[:, :, :0]
         return VerifyOutput(logits=t.lm_head(hidden), taps=taps)
