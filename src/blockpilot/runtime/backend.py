@@ -138,10 +138,16 @@ def merge_tensor_caches(caches: list[list[torch.Tensor]], seq_axis: int = 2) -> 
     return merged
 
 
+PRODUCT_BATCH = 2
+"""Requests a torch bf16 verify carries at most when its products run the step's own rows: the check at load
+covers every count of rows up to this many full blocks (`product_row_counts`), and no more, since oneDNN's kernels
+handle a call's last rows by the row count."""
+
+
 def product_row_counts(block_rows: int) -> list[int]:
-    """The row counts whose products must round alike for speculation without padding rows: every block
-    of one request (1..`block_rows`) and batches of up to 4 full blocks."""
-    return [*range(1, block_rows + 1), 2 * block_rows, 4 * block_rows]
+    """The row counts whose products must round alike for speculation without padding rows: every count a
+    verify of up to `PRODUCT_BATCH` requests at blocks of up to `block_rows` tokens can carry."""
+    return list(range(1, PRODUCT_BATCH * block_rows + 1))
 
 
 class TorchBackend:
@@ -158,7 +164,7 @@ class TorchBackend:
     checked when the backend is made), only attention keeps the fixed shape (`Decoder.forward`'s
     `attention_rows`): the products run the step's own rows, so a plain decoding step costs what one
     row costs (on a 2-core Intel Xeon with AVX512-BF16 the products of 16 rows took 32.6 ms, of one
-    14.6), and batches are capped at 4 requests, the most rows the check covers. `pad_products=True` keeps
+    14.6), and batches are capped at `PRODUCT_BATCH` requests, the most rows the check covers. `pad_products=True` keeps
     the whole step at the fixed shape whatever the check would say.
 
     bf16 weights on a CPU with oneDNN's bf16 products are prepacked once (`pack_weights`, default:
@@ -203,7 +209,7 @@ class TorchBackend:
         self.pad_rows = (self.fixed_rows or 1) - 1  # cache positions padding rows may write past a block
         self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30) - self.pad_rows
         # rows of a batched verify beyond what `product_row_counts` checked would not be known to round alike
-        self.max_batch = 4 if self.attention_rows and not self.fixed_rows else 1 << 16
+        self.max_batch = PRODUCT_BATCH if self.attention_rows and not self.fixed_rows else 1 << 16
 
     def supports_block_size(self, block_size: int) -> bool:
         return 1 <= block_size <= self.max_block_size
