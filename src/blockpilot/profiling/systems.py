@@ -329,7 +329,7 @@ def default_registry() -> SystemRegistry:
     """The baselines `--baselines` accepts: ar, ar-1row, hf-ar, hf-dflash, hf-prompt-lookup.
 
     ar-1row is our plain decoding without the padding rows that make `ar` round like every verify step
-    (onnxruntime: 1 row instead of 2; torch bf16: its own row instead of the fixed shape): the fastest
+    (onnxruntime: 1 row instead of 2; torch bf16: its own row, attention included, instead of the fixed shape): the fastest
     plain decoding of the backend, whose T = 0 output may differ from `ar`'s at a near-tie."""
     registry = SystemRegistry()
     registry.add("ar", lambda models: RunnerSystem("ar", models, 1))

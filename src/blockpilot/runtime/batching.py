@@ -148,8 +148,8 @@ class BatchDecoder:
         result = result if result is not None else RequestResult(input_ids=ids)
 
         t0 = clock()
-        # A backend that runs one fixed shape attends over the whole cache, so the cache is as large for
-        # plain decoding as for its largest block: every block size of a request then rounds alike.
+        # A backend whose attention runs one fixed shape attends over the whole cache, so the cache is as large
+        # for plain decoding as for its largest block: every block size of a request then rounds alike.
         room = max(runner.largest_block(request.block_size), getattr(be, "attention_rows", None) or 1)
         capacity = min(len(ids) + request.max_new_tokens + room, be.max_capacity)  # check_prompt: >= the need
         state = be.new_state(1, capacity)
