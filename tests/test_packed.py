@@ -101,4 +101,4 @@ def test_bf16_backend_pads_products_only_where_their_rows_round_unlike(tmp_path_
     assert backend.attention_rows == 8  # attention always runs the fixed shape over the whole cache
     assert backend.fixed_rows == (None if alike else 8)
     assert backend.pad_rows == (0 if alike else 7)
-    assert backend.max_batch == (backend_module.PRODUCT_BATCH if alike else 1 << 16)
+    assert backend.max_batch == (backend_module.PRODUCT_ROWS // 8 if alike else 1 << 16)  # 4 blocks of 8 rows

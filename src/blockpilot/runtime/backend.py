@@ -138,16 +138,11 @@ def merge_tensor_caches(caches: list[list[torch.Tensor]], seq_axis: int = 2) -> 
     return merged
 
 
-PRODUCT_BATCH = 2
-"""Requests a torch bf16 verify carries at most when its products run the step's own rows: the check at load
-covers every count of rows up to this many full blocks (`product_row_counts`), and no more, since oneDNN's kernels
-handle a call's last rows by the row count."""
-
-
-def product_row_counts(block_rows: int) -> list[int]:
-    """The row counts whose products must round alike for speculation without padding rows: every count a
-    verify of up to `PRODUCT_BATCH` requests at blocks of up to `block_rows` tokens can carry."""
-    return list(range(1, PRODUCT_BATCH * block_rows + 1))
+PRODUCT_ROWS = 32
+"""The most rows a torch bf16 target call carries when its products run the step's own rows: the check at load
+covers every count of rows up to this (`rows_round_alike`), and no more, since oneDNN's kernels handle a call's
+last rows by the row count; batches are capped at `PRODUCT_ROWS // max_block_size` requests (2 at blocks of up to
+16, 32 for plain decoding alone)."""
 
 
 class TorchBackend:
@@ -164,7 +159,7 @@ class TorchBackend:
     checked when the backend is made), only attention keeps the fixed shape (`Decoder.forward`'s
     `attention_rows`): the products run the step's own rows, so a plain decoding step costs what one
     row costs (on a 2-core Intel Xeon with AVX512-BF16 the products of 16 rows took 32.6 ms, of one
-    14.6), and batches are capped at `PRODUCT_BATCH` requests, the most rows the check covers. `pad_products=True` keeps
+    14.6), and batches are capped so that a call carries at most `PRODUCT_ROWS` rows, the most the check covers. `pad_products=True` keeps
     the whole step at the fixed shape whatever the check would say.
 
     bf16 weights on a CPU with oneDNN's bf16 products are prepacked once (`pack_weights`, default:
@@ -201,15 +196,15 @@ class TorchBackend:
         self.attention_rows = self.fixed_rows
         if self.fixed_rows and self.packed and not pad_products:
             split = split_long_products(target)
-            if rows_round_alike(target, product_row_counts(self.fixed_rows)):
+            if rows_round_alike(target, list(range(1, max(PRODUCT_ROWS, self.fixed_rows) + 1))):
                 self.fixed_rows = None  # products at the step's own rows, attention alone at the fixed shape
             else:
                 for parent, name, layer in split:  # the whole step at the fixed shape, as the products were
                     setattr(parent, name, layer)
         self.pad_rows = (self.fixed_rows or 1) - 1  # cache positions padding rows may write past a block
         self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30) - self.pad_rows
-        # rows of a batched verify beyond what `product_row_counts` checked would not be known to round alike
-        self.max_batch = PRODUCT_BATCH if self.attention_rows and not self.fixed_rows else 1 << 16
+        # rows of a batched verify beyond the `PRODUCT_ROWS` checked would not be known to round alike
+        self.max_batch = max(1, PRODUCT_ROWS // self.attention_rows) if self.attention_rows and not self.fixed_rows else 1 << 16
 
     def supports_block_size(self, block_size: int) -> bool:
         return 1 <= block_size <= self.max_block_size
