@@ -24,7 +24,7 @@ stage 12 (session 32, shipped) trained on all three with `--focus`: 5,007 rows, 
 added the sixth later-turn file and package-code files 5-9 (stages 13-15 read some of them as `--focus`); files 6-9
 joined `PACKAGE_CODE` only in session 42 (until then the default output, 34,349 rows, left their 3,232 rows out).
 Session 43 added package-code file 10, session 44 file 11 and the answers to the target's own chat queries
-(`MAGPIE`, `scripts/magpie_prompts.py`).
+(`MAGPIE`, `scripts/magpie_prompts.py`), session 46 the seventh later-turn file (852 turns).
 
     python scripts/finetune_data.py --out runs/finetune-answers.jsonl
     blockpilot train-drafter --init-from src/blockpilot/assets/drafters/smollm2-135m-instruct-dflash-b8 \\
@@ -54,7 +54,7 @@ ANSWERS = ["data/smollm2-answers-9831.jsonl.gz", "data/smollm2-stdlib-answers-35
 LATER_TURNS = ["data/smollm2-sharegpt-answers-later-2171.jsonl.gz", "data/smollm2-sharegpt-answers-later2-2117.jsonl.gz",
                "data/smollm2-sharegpt-answers-later3-302.jsonl.gz",
                "data/smollm2-sharegpt-answers-later4-1347.jsonl.gz", "data/smollm2-sharegpt-answers-later5-1301.jsonl.gz",
-               "data/smollm2-sharegpt-answers-later6-1420.jsonl.gz"]
+               "data/smollm2-sharegpt-answers-later6-1420.jsonl.gz", "data/smollm2-sharegpt-answers-later7-852.jsonl.gz"]
 PACKAGE_CODE = ["data/smollm2-package-code-answers-7168.jsonl.gz", "data/smollm2-package-code-answers2-3225.jsonl.gz",
                 "data/smollm2-package-code-answers3-2291.jsonl.gz", "data/smollm2-package-code-answers4-518.jsonl.gz",
                 "data/smollm2-package-code-answers5-473.jsonl.gz", "data/smollm2-package-code-answers6-661.jsonl.gz",
