@@ -58,13 +58,10 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.bfloat16:
             flat = flat.to(torch.bfloat16)
-        if len(self.chunks) == 1:
-            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed[0], self.bias, "none", [], "")
-        else:
-            (a, b), *rest = self.chunks
-            out = torch.ops.mkldnn._linear_pointwise(flat[:, a:b].contiguous(), self.packed[0], self.bias, "none", [], "")
-            for (a, b), packed in zip(rest, self.packed[1:]):
-                out = torch.ops.mkldnn._linear_pointwise.binary(flat[:, a:b].contiguous(), out, packed, None, "add")
+        (a, b), *rest = self.chunks  # one chunk, (0, in_features), unless `max_in` split the product
+        out = torch.ops.mkldnn._linear_pointwise(flat[:, a:b].contiguous(), self.packed[0], self.bias, "none", [], "")
+        for (a, b), packed in zip(rest, self.packed[1:]):
+            out = torch.ops.mkldnn._linear_pointwise.binary(flat[:, a:b].contiguous(), out, packed, None, "add")
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -159,8 +159,8 @@ class TorchBackend:
     checked when the backend is made), only attention keeps the fixed shape (`Decoder.forward`'s
     `attention_rows`): the products run the step's own rows, so a plain decoding step costs what one
     row costs (on a 2-core Intel Xeon with AVX512-BF16 the products of 16 rows took 32.6 ms, of one
-    14.6), and batches are capped so that a call carries at most `PRODUCT_ROWS` rows, the most the check covers. `pad_products=True` keeps
-    the whole step at the fixed shape whatever the check would say.
+    14.6), and batches are capped so that a call carries at most `PRODUCT_ROWS` rows, the most the check
+    covers. `pad_products=True` keeps the whole step at the fixed shape whatever the check would say.
 
     bf16 weights on a CPU with oneDNN's bf16 products are prepacked once (`pack_weights`, default:
     whenever possible; q/k/v and gate/up fused first; `models.packed`): same results, about 1.3x
@@ -171,7 +171,7 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, target: Decoder, drafter: DFlashDrafter | None, max_block_size: int | None = None,
-                 fixed_shape: bool = False, pack_weights: bool | None = None, pad_products: bool | None = None):
+                 fixed_shape: bool = False, pack_weights: bool | None = None, pad_products: bool = False):
         self.target = target
         self.drafter = drafter
         self.target_config = target.config
@@ -204,7 +204,8 @@ class TorchBackend:
         self.pad_rows = (self.fixed_rows or 1) - 1  # cache positions padding rows may write past a block
         self.max_capacity = min(target.max_positions, drafter.rope.cos.shape[0] if drafter else 1 << 30) - self.pad_rows
         # rows of a batched verify beyond the `PRODUCT_ROWS` checked would not be known to round alike
-        self.max_batch = max(1, PRODUCT_ROWS // self.attention_rows) if self.attention_rows and not self.fixed_rows else 1 << 16
+        products_unpadded = self.attention_rows and not self.fixed_rows
+        self.max_batch = max(1, PRODUCT_ROWS // self.attention_rows) if products_unpadded else 1 << 16
 
     def supports_block_size(self, block_size: int) -> bool:
         return 1 <= block_size <= self.max_block_size
