@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockpilot.errors import UserError
 from blockpilot.runtime.runner import Runner
 
 from builder_fixtures import tiny_engine_dir, tiny_models
@@ -100,8 +101,6 @@ def test_padding_rows_leave_no_trace_in_the_committed_cache(tmp_path_factory):
 
 
 def test_fp16_speculation_on_the_cpu_is_refused_with_one_line(tmp_path_factory):
-    from blockpilot.errors import UserError
-
     target, drafter = tiny_models(tmp_path_factory, "llama")
     with pytest.raises(UserError, match="fp16 on the CPU"):
         Runner.from_dir(target, drafter_dir=drafter, dtype=torch.float16)
@@ -181,3 +180,15 @@ def test_one_row_plain_decoding_drops_the_padding_rows_that_plain_decoding_runs(
     assert rows_per_call["one_row"] == [("attention", 1)] * layers + [1]
     assert padded.attention_rows == padded.max_block_size
     assert rows_per_call["padded"] == [("attention", padded.attention_rows)] * layers + [padded.fixed_rows or 1]
+
+
+def test_bf16_blocks_default_to_the_drafter_training_size(tmp_path_factory):
+    """Reduced precision runs every step's attention at the largest block's rows, so unless told the torch
+    backend takes blocks up to the drafter's training size there (fp32: twice it) and names the sizes it takes."""
+    target, drafter = tiny_models(tmp_path_factory, "llama")  # a drafter trained at block 4
+    bf16 = Runner.from_dir(target, drafter_dir=drafter, dtype=torch.bfloat16)
+    assert bf16.backend.max_block_size == bf16.backend.attention_rows == 4
+    assert Runner.from_dir(target, drafter_dir=drafter).backend.max_block_size == 8
+    assert Runner.from_dir(target, drafter_dir=drafter, dtype=torch.bfloat16, max_block_size=12).backend.attention_rows == 12
+    with pytest.raises(UserError, match=r"block size 5 is not supported by this torch backend; choose one it supports \(1-4\)"):
+        bf16.generate([torch.tensor([1, 2])], max_new_tokens=4, block_size=5)

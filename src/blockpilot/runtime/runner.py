@@ -394,7 +394,7 @@ class Runner:
         if not self.backend.supports_block_size(block_size):
             raise UserError(
                 f"block size {block_size} is not supported by this {self.backend.name} backend; "
-                f"choose one it supports (e.g. {self.default_block_size})"
+                f"choose one it supports ({supported_sizes(self.backend)})"
             )
         return block_size
 
@@ -435,6 +435,18 @@ class Runner:
             return True
         request.output_tokens += tokens[:room]
         return len(request.output_tokens) >= max_new_tokens
+
+
+def supported_sizes(backend, largest: int = 64) -> str:
+    """The block sizes `backend` takes, as runs: "1-8", "1-4, 6, 8"."""
+    sizes = [k for k in range(1, largest + 1) if backend.supports_block_size(k)]
+    runs: list[list[int]] = []
+    for k in sizes:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def _read_eos_id(model_dir: Path) -> int | None:
