@@ -111,7 +111,8 @@ def test_temperature_zero_is_argmax_per_position():
 def test_greedy_tokens_equal_torch_argmax_on_ties_views_1d_rows_and_bf16():
     logits = torch.randn(3, 5, 49152, generator=torch.Generator().manual_seed(0))
     logits[0, 1, [7, 300, 40000]] = 100.0  # a three-way tie: the first index wins, as in torch
-    for x in (logits, logits[:, 1:4], logits[1, 2], logits.transpose(0, 1), logits.bfloat16()):
+    for x in (logits, logits[:, 1:4], logits[1, 2], logits.transpose(0, 1), logits.bfloat16(),
+              logits.half()):
         assert torch.equal(greedy_tokens(x), x.argmax(-1))
     assert int(greedy_tokens(logits)[0, 1]) == 7
 

@@ -19,8 +19,9 @@ import torch
 
 from blockpilot.models.config import DecoderConfig, DrafterConfig
 from blockpilot.models.decoder import Decoder, KVCache
-from blockpilot.models.dflash import DFlashDrafter, draft_logits, greedy_draft_tokens, logits_draft_tokens
+from blockpilot.models.dflash import DFlashDrafter, draft_logits
 from blockpilot.models.packed import PackedLinear, can_pack, pack_linears, rows_round_alike, split_long_products
+from blockpilot.runtime.sampling import greedy_tokens
 
 
 @dataclasses.dataclass
@@ -292,10 +293,10 @@ class TorchBackend:
                 state.drafter_cache,
                 kv_len=ctx_start + n,
             )
-        if not with_logits:
-            return greedy_draft_tokens(hidden[:, 1:], self.draft_head, d.draft_vocab_ids)  # (B, K - 1) target ids
-        logits = draft_logits(hidden[:, 1:], self.draft_head)  # (B, K - 1, N)
-        return DraftOutput(logits_draft_tokens(logits, d.draft_vocab_ids), logits.float())
+        logits = draft_logits(hidden[:, 1:], self.draft_head).float()  # (B, K - 1, N), exact in float32
+        best = greedy_tokens(logits)  # numpy's argmax: torch's took 0.2 ms of a 4.5 ms bf16 drafter call
+        ids = best if d.draft_vocab_ids is None else d.draft_vocab_ids[best]  # (B, K - 1) target ids
+        return DraftOutput(ids, logits) if with_logits else ids
 
     @torch.inference_mode()
     def verify(self, state, block_ids, start):

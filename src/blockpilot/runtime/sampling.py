@@ -98,9 +98,11 @@ def sample_tokens(
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)` (the first index of the largest value, as torch's), through numpy for float32 CPU
     tensors: numpy's vectorised argmax took 0.055 ms for 8 rows of 49,152 logits where torch's took 1.07 ms
-    (one core, 2-core AMD EPYC with AVX2), which every verify step of a greedy request pays."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
+    (one core, 2-core AMD EPYC with AVX2), which every verify step of a greedy request pays. bf16 and fp16 CPU
+    logits are widened to float32 first (exact): on a 2-core Intel Xeon torch's bf16 argmax took 539 us for 6
+    rows of 49,152 and this 86 us."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return torch.from_numpy(np.asarray(logits.detach().float().numpy().argmax(-1)))
     return logits.argmax(-1)
 
 
