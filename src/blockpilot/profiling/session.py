@@ -12,6 +12,7 @@ from pathlib import Path
 
 from blockpilot.errors import UserError
 from blockpilot.runtime.settings import DEFAULT_LOOKUP, DEFAULT_VERIFY_LENGTH
+from blockpilot.runtime.runner import supported_sizes
 from blockpilot.profiling.measure import REFERENCE, Plan, greedy_mismatches, oracle_rows, run_plan
 from blockpilot.profiling.systems import Models, ModelSources, RunnerSystem, System, SystemRegistry, default_registry
 
@@ -186,7 +187,7 @@ def _check_block_size(runner, size: int) -> None:
         raise UserError(f"block size {size} needs a drafter; pass --drafter DIR or use --block-sizes 1")
     if not runner.backend.supports_block_size(size):
         raise UserError(f"block size {size} is not supported by this {runner.backend.name} backend; "
-                        f"choose one it supports (e.g. {runner.default_block_size})")
+                        f"choose one it supports ({supported_sizes(runner.backend)})")
 
 
 def _check_capacity(requests, systems: list[System], models: Models, max_new_tokens: int) -> None:
