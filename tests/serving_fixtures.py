@@ -3,6 +3,7 @@ and reference outputs from a runner of its own."""
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -32,9 +33,24 @@ def serve_args(target: Path, drafter: Path, *extra: str):
 
 
 def free_port() -> int:
+    """A port free now, from the range `bind(0)` draws from (the kernel's ephemeral ports)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_for_ray(low: int = 20000, high: int = 32000) -> int:
+    """A port free now and outside the ranges a starting Ray cluster binds by itself: its workers' 10002-19999
+    and the kernel's ephemeral ports (32768 on), where its other processes bind port 0. A `free_port` lost that
+    race once in CI: Ray's own process took it before Serve's HTTP proxy bound it ("Failed to bind")."""
+    for port in random.Random().sample(range(low, high), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 class LocalServer:

@@ -229,4 +229,5 @@ def test_predictor_for_another_backend_or_dtype_is_refused_unless_overridden(mod
         target, drafter, objective="throughput", cost_backend="torch", cost_dtype="fp32"), [0.2] * 5)
     Runner.from_dir(target, drafter_dir=drafter, predictor=torch_fp32)  # its own backend and dtype: accepted
     with pytest.raises(UserError, match="torch fp32 step costs, this runner is torch bf16"):
-        Runner.from_dir(target, drafter_dir=drafter, predictor=torch_fp32, dtype=torch.bfloat16)
+        Runner.from_dir(target, drafter_dir=drafter, predictor=torch_fp32, dtype=torch.bfloat16,
+                        max_block_size=10)  # bf16 takes blocks up to B_train (8) unless told; candidates reach 10

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from serving_fixtures import MODEL, free_port, healthy, make_served_dirs, reference_text, serve_args
+from serving_fixtures import MODEL, free_port_for_ray, healthy, make_served_dirs, reference_text, serve_args
 
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed; pip install 'blockpilot[serve]'")
 
@@ -36,7 +36,7 @@ def ray_url(dirs):
     except Exception as exc:  # noqa: BLE001 - whatever stops Ray here is the reason to skip
         pytest.skip(f"Ray cannot start a local cluster on this machine: {one_line(exc)}")
     args = serve_args(*dirs, "--max-batch", "4", "--max-queue", "8")
-    port = free_port()
+    port = free_port_for_ray()
     try:
         ray_deployment.start(functools.partial(load_served_model, args), server_config(args),
                              ray_deployment.RayOptions(replicas=2, replica_cpus=0.5), host="127.0.0.1", port=port)
@@ -96,7 +96,7 @@ def test_serve_ray_command_answers_and_exits_0_on_sigterm(ray_url, dirs):
     from blockpilot.serving import ray_deployment
 
     ray_deployment.stop()  # the module's cluster is not needed beyond this point; free the 2 CPUs
-    port = free_port()
+    port = free_port_for_ray()
     command = [sys.executable, "-m", "blockpilot", "serve", "--ray", "--replicas", "1", "--replica-cpus", "0.5",
                "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--served-model-name", MODEL,
                "--port", str(port)]
